@@ -1,0 +1,55 @@
+# rdma-device-plugin: every check a contributor or CI runs. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(abspath $(VENV))/bin
+export PATH := $(BIN):$(PATH)
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+
+.PHONY: help setup system-deps demo test lint test-plugin test-chart test-molecule bench proto clean
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+$(VENV)/.stamp: requirements-dev.txt plugin_src/pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -e plugin_src
+	touch $@
+
+system-deps: ## install the Debian packages the tests use (buildah, registry, pyverbs, ...)
+	bash scripts/setup-system.sh
+
+setup: $(VENV)/.stamp ## create .venv from the pinned requirements
+
+demo: setup ## the main job on the local default: fixture Lingjun node + kubelet simulator
+	$(PY) -m rdma_device_plugin.demo
+
+lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
+	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
+	cd plugin_src && $(BIN)/mypy
+	$(BIN)/yamllint -s .
+	bash scripts/check-proto.sh
+	if [ -d roles ] && ls roles/*/tasks >/dev/null 2>&1; then $(BIN)/ansible-lint; fi
+
+test-plugin: setup ## plugin unit and integration tests (real gRPC over unix sockets)
+	$(PY) -m pytest plugin_src/tests
+
+test-chart: setup ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL)
+	if [ -d charts/rdma-device-plugin/tests ]; then $(PY) -m pytest charts/rdma-device-plugin/tests; fi
+
+test-molecule: setup system-deps ## every molecule scenario, for real on localhost
+	bash scripts/run-molecule.sh
+
+test: setup system-deps lint test-plugin test-chart test-molecule ## everything CI runs
+
+bench: setup ## print the benchmark figures (see bench/RESULTS.md)
+	$(PY) bench/bench_plugin.py
+
+proto: setup ## regenerate the gRPC code from api/deviceplugin.proto
+	bash scripts/check-proto.sh --write
+
+clean: ## remove the venv and caches
+	rm -rf $(VENV) .pytest_cache plugin_src/.mypy_cache plugin_src/.ruff_cache

@@ -1,0 +1,169 @@
+"""Entry point: flags, config, and the sub-commands (serve is the default)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from . import __version__
+from .config import ConfigError, config_json_schema, load_config
+from .node import fixtures, sysfs
+
+LOG = logging.getLogger("rdma_device_plugin")
+
+DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+
+
+def _env(name: str, default: str) -> str:
+    """Flag defaults can come from the environment (flag > env > built-in), as the chart sets them."""
+    return os.environ.get(f"RDMA_DP_{name}", default)
+
+
+def _add_roots(p: argparse.ArgumentParser, proc: bool = False) -> None:
+    p.add_argument("--sysfs-root", default=_env("SYSFS_ROOT", "/sys"), help="sysfs root (default /sys)")
+    p.add_argument("--dev-root", default=_env("DEV_ROOT", "/dev"), help="dev root (default /dev)")
+    if proc:
+        p.add_argument("--procfs-root", default=_env("PROCFS_ROOT", "/proc"), help="procfs root (default /proc)")
+
+
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-level", default=_env("LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"]
+    )
+    p.add_argument("--log-format", default=_env("LOG_FORMAT", "text"), choices=["text", "json"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rdma-device-plugin",
+        description="Kubernetes device plugin for RDMA NICs (shared and exclusive mode).",
+    )
+    parser.add_argument("--version", action="version", version=f"rdma-device-plugin {__version__}")
+    sub = parser.add_subparsers(dest="command")
+
+    serve = sub.add_parser("serve", help="serve the kubelet (default)")
+    serve.add_argument("--config", default=os.environ.get("RDMA_DP_CONFIG"), help="config file (YAML, version v1)")
+    _add_roots(serve, proc=True)
+    serve.add_argument(
+        "--device-plugin-dir",
+        default=_env("DEVICE_PLUGIN_DIR", DEFAULT_DEVICE_PLUGIN_DIR),
+        help=f"kubelet device-plugin dir (default {DEFAULT_DEVICE_PLUGIN_DIR})",
+    )
+    serve.add_argument("--cdi-dir", default=_env("CDI_DIR", "/var/run/cdi"), help="CDI spec dir (default /var/run/cdi)")
+    serve.add_argument(
+        "--metrics-address",
+        default=_env("METRICS_ADDRESS", ""),
+        help="serve Prometheus metrics on HOST:PORT (off when empty, the default)",
+    )
+    _add_logging(serve)
+
+    disc = sub.add_parser("discover", help="print the RDMA NICs found and which resource selects them")
+    disc.add_argument("--config", default=None, help="config file whose selectors to apply")
+    _add_roots(disc)
+    disc.add_argument("--output", "-o", choices=["table", "json"], default="table")
+    _add_logging(disc)
+
+    fx = sub.add_parser("fixture", help="write a kernel-shaped fixture node (for tests and demos)")
+    fx.add_argument("root", help="directory to write (replaced if it exists); holds sys/, proc/, dev/")
+    fx.add_argument("--spec", help="node spec file (JSON or YAML); overrides the preset flags")
+    fx.add_argument("--nics", type=int, default=4)
+    fx.add_argument("--no-bond", action="store_true", help="plain ports instead of RoCE LAG bonds")
+    fx.add_argument("--numa-nodes", type=int, default=2)
+    fx.add_argument("--link-layer", choices=["Ethernet", "InfiniBand"], default="Ethernet")
+    fx.add_argument("--port-state", default="ACTIVE")
+    fx.add_argument("--no-ipv6", action="store_true")
+    fx.add_argument("--extra-non-mellanox", action="store_true", help="add an Intel irdma NIC")
+    _add_logging(fx)
+
+    sub.add_parser("config-schema", help="print the config file's JSON schema")
+    return parser
+
+
+def _discover(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    nics = sysfs.read_nics(args.sysfs_root, args.dev_root)
+    owner: dict[str, str] = {}
+    for res in config.resources:
+        for nic in res.selectors.to_selectors().select(nics):
+            owner.setdefault(nic.name, res.name)
+    if args.output == "json":
+        out = [dict(nic.to_dict(), resource=owner.get(nic.name)) for nic in nics]
+        print(json.dumps({"nics": out, "rdma_cm": sysfs.rdma_cm(args.dev_root).present}, indent=2))
+        return 0
+    header = ("RDMA DEVICE", "PCI", "VENDOR:DEVICE", "DRIVER", "NUMA", "NETDEVS", "PORTS", "LINK", "UVERBS", "RESOURCE")
+    rows = [header]
+    for nic in nics:
+        rows.append(
+            (
+                nic.name,
+                nic.pci_address,
+                f"{nic.vendor}:{nic.device_id}",
+                nic.driver or "-",
+                "-" if nic.numa_node is None else str(nic.numa_node),
+                ",".join(nic.netdevs) or "-",
+                ",".join(f"{p.number}:{p.state}" for p in nic.ports) or "-",
+                ",".join(nic.link_layers) or "-",
+                nic.uverbs.name if nic.uverbs else "-",
+                owner.get(nic.name, "-"),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(col.ljust(w) for col, w in zip(row, widths, strict=True)).rstrip())
+    if not nics:
+        print(f"(no RDMA devices under {args.sysfs_root}/class/infiniband)")
+    return 0
+
+
+def _fixture(args: argparse.Namespace) -> int:
+    if args.spec:
+        import yaml
+
+        with open(args.spec, encoding="utf-8") as fh:
+            spec = fixtures.NodeSpec.from_dict(yaml.safe_load(fh))
+    else:
+        spec = fixtures.lingjun_node(
+            nics=args.nics,
+            bond=not args.no_bond,
+            numa_nodes=args.numa_nodes,
+            link_layer=args.link_layer,
+            ipv6=not args.no_ipv6,
+            port_state=args.port_state,
+            extra_non_mellanox=args.extra_non_mellanox,
+        )
+    node = fixtures.write_node(args.root, spec)
+    print(json.dumps({"root": node.root, "sysfs": node.sysfs, "procfs": node.procfs, "dev": node.dev}))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        argv = ["serve", *argv]
+    args = parser.parse_args(argv)
+    if args.command == "config-schema":
+        print(json.dumps(config_json_schema(), indent=2))
+        return 0
+    from .logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
+    try:
+        if args.command == "discover":
+            return _discover(args)
+        if args.command == "fixture":
+            return _fixture(args)
+        from .daemon import serve
+
+        return serve(args)
+    except ConfigError as exc:
+        LOG.error("%s", exc)
+        print(f"rdma-device-plugin: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # bad fixture spec and the like
+        print(f"rdma-device-plugin: {exc}", file=sys.stderr)
+        return 2

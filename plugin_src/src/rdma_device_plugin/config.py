@@ -1,0 +1,258 @@
+"""The plugin's config file (``version: v1``): the one schema and the one place for defaults.
+
+Parsed and validated up front; any problem becomes a single ``ConfigError`` whose
+message names every bad key and how to fix it, before anything is served. The Helm
+chart renders this file into its ConfigMap and its tests feed it back through
+``load_config_text``; ``rdma-device-plugin config-schema`` prints the JSON schema.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .node.selectors import LINK_TYPES, MELLANOX_VENDOR, Selectors
+
+CONFIG_VERSION = "v1"
+DEFAULT_RESOURCE = "rdma/hca"
+DEFAULT_SHARED_DEVICES = 1000
+MAX_SHARED_DEVICES = 100_000
+
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_HEX_ID = re.compile(r"^(0x)?[0-9a-fA-F]{4}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CDI_KIND = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$")
+
+
+class ConfigError(ValueError):
+    """The config cannot be used; the message says which key and how to fix it."""
+
+
+def resource_name_problem(name: str) -> Optional[str]:
+    """Why the kubelet would reject ``name`` as an extended resource name, or None."""
+    if name.count("/") != 1:
+        return "must be <domain>/<name> with exactly one '/', e.g. rdma/hca"
+    prefix, short = name.split("/")
+    if "kubernetes.io/" in name or prefix.endswith("kubernetes.io"):
+        return "must not use the kubernetes.io domain"
+    if name.startswith("requests."):
+        return "must not start with 'requests.'"
+    if len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix):
+        return f"domain {prefix!r} must be a lowercase DNS-1123 subdomain, e.g. rdma"
+    if len(short) > 63 or not _QUALIFIED_NAME.match(short):
+        return f"name {short!r} must be 1-63 alphanumerics, '-', '_' or '.', starting and ending alphanumeric"
+    return None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True)
+
+
+class SelectorsConfig(_Strict):
+    """Which NICs a resource uses. Non-empty fields must all match; values within a field are alternatives."""
+
+    vendors: list[str] = Field(default_factory=lambda: [MELLANOX_VENDOR], description="PCI vendor IDs, e.g. 15b3.")
+    device_ids: list[str] = Field(default_factory=list, alias="deviceIDs", description="PCI device IDs, e.g. 1021.")
+    drivers: list[str] = Field(default_factory=list, description="Kernel drivers of the PCI function, e.g. mlx5_core.")
+    if_names: list[str] = Field(default_factory=list, alias="ifNames", description="Netdev names (ports or bonds).")
+    rdma_devices: list[str] = Field(default_factory=list, alias="rdmaDevices", description="RDMA device names, e.g. mlx5_bond_0.")
+    link_types: list[Literal["Ethernet", "InfiniBand"]] = Field(
+        default_factory=list, alias="linkTypes", description="Port link layers: Ethernet (RoCE) or InfiniBand."
+    )
+
+    @field_validator("vendors", "device_ids")
+    @classmethod
+    def _hex_ids(cls, values: list[str]) -> list[str]:
+        for v in values:
+            if not _HEX_ID.match(v):
+                raise ValueError(f"{v!r} is not a 4-digit hex PCI ID (write it like 15b3 or 0x15b3)")
+        return [v.lower().removeprefix("0x") for v in values]
+
+    def to_selectors(self) -> Selectors:
+        return Selectors(
+            vendors=tuple(self.vendors),
+            device_ids=tuple(self.device_ids),
+            drivers=tuple(self.drivers),
+            if_names=tuple(self.if_names),
+            rdma_devices=tuple(self.rdma_devices),
+            link_types=tuple(self.link_types),
+        )
+
+
+class ResourceConfig(_Strict):
+    """One extended resource (one resource pool) the plugin advertises."""
+
+    name: str = Field(DEFAULT_RESOURCE, description="Extended resource name, <domain>/<name>.")
+    shared_devices: int = Field(
+        DEFAULT_SHARED_DEVICES,
+        alias="sharedDevices",
+        ge=1,
+        le=MAX_SHARED_DEVICES,
+        description="Shared mode: virtual devices advertised for the pool.",
+    )
+    selectors: SelectorsConfig = Field(default_factory=SelectorsConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _resource_name(cls, value: str) -> str:
+        problem = resource_name_problem(value)
+        if problem:
+            raise ValueError(f"invalid resource name {value!r}: {problem}")
+        return value
+
+
+class HealthConfig(_Strict):
+    interval_seconds: float = Field(
+        0.5, alias="intervalSeconds", gt=0, le=60, description="How often port states are probed."
+    )
+    policy: Literal["all", "any"] = Field(
+        "all", description="Shared pool is Healthy when all (default) or any of its NICs have every port ACTIVE."
+    )
+
+
+class CharDevicesConfig(_Strict):
+    umad: bool = Field(False, description="Also hand out /dev/infiniband/umad* (management datagrams).")
+    issm: bool = Field(False, description="Also hand out /dev/infiniband/issm* (subnet management).")
+
+
+class NonHostNetworkConfig(_Strict):
+    enabled: bool = Field(False, description="Pods keep their own netns; requires IPv6 compute network and shared netns mode.")
+    checks: Literal["enforce", "warn"] = Field(
+        "enforce", description="enforce: a failed start check stops the plugin; warn: log and serve."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra env added to every allocation when enabled (e.g. NCCL_SOCKET_FAMILY)."
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_env(value)
+
+
+class CdiConfig(_Strict):
+    enabled: bool = Field(False, description="Write a CDI spec and answer Allocate with CDI device names.")
+    kind: str = Field("rdma.lingjun.io/hca", description="CDI kind, <vendor>/<class>.")
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, value: str) -> str:
+        if not _CDI_KIND.match(value):
+            raise ValueError(f"{value!r} is not a CDI kind; write it as <vendor domain>/<class>, e.g. rdma.lingjun.io/hca")
+        return value
+
+
+def _check_env(value: dict[str, str]) -> dict[str, str]:
+    for name in value:
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"{name!r} is not a valid environment variable name")
+    return value
+
+
+class PluginConfig(_Strict):
+    """Top level of the config file."""
+
+    version: Literal["v1"] = Field(CONFIG_VERSION, description="Config format version.")
+    mode: Literal["shared", "exclusive"] = Field(
+        "shared", description="shared: every pool is N virtual devices; exclusive: one device per NIC."
+    )
+    resources: list[ResourceConfig] = Field(default_factory=lambda: [ResourceConfig()], min_length=1)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    rediscovery_interval_seconds: float = Field(
+        5.0, alias="rediscoveryIntervalSeconds", gt=0, le=3600, description="How often NICs are re-listed (hot-plug)."
+    )
+    char_devices: CharDevicesConfig = Field(default_factory=CharDevicesConfig, alias="charDevices")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra env added to every allocation.")
+    non_host_network: NonHostNetworkConfig = Field(default_factory=NonHostNetworkConfig, alias="nonHostNetwork")
+    cdi: CdiConfig = Field(default_factory=CdiConfig)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_env(value)
+
+    @field_validator("resources")
+    @classmethod
+    def _unique_names(cls, value: list[ResourceConfig]) -> list[ResourceConfig]:
+        names = [r.name for r in value]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate resource name(s) {dupes}: give every resource its own name")
+        return value
+
+
+# --------------------------------------------------------------------------- loading
+
+_FIXES = {
+    "extra_forbidden": "remove it or check its spelling",
+    "literal_error": "use one of the allowed values",
+    "missing": "add it",
+    "int_type": "write a whole number",
+    "float_type": "write a number",
+    "bool_type": "write true or false",
+    "string_type": "write a string",
+    "list_type": "write a list",
+    "dict_type": "write a mapping",
+    "model_type": "write a mapping",
+    "greater_than_equal": "raise it",
+    "greater_than": "raise it",
+    "less_than_equal": "lower it",
+    "too_short": "add at least one entry",
+}
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _format(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        fix = _FIXES.get(err["type"])
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  - {_loc(err['loc'])}: {msg}" + (f" ({fix})" if fix else ""))
+    return f"invalid config {source}:\n" + "\n".join(lines)
+
+
+def load_config_data(data: Any, source: str = "<data>") -> PluginConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {source}: the top level must be a mapping with version: v1")
+    try:
+        return PluginConfig.model_validate(data, by_alias=True)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, source)) from None
+
+
+def load_config_text(text: str, source: str = "<text>") -> PluginConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid config {source}: not valid YAML: {exc}") from None
+    return load_config_data(data, source)
+
+
+def load_config(path: Optional[str]) -> PluginConfig:
+    """Load and validate a config file; None means the built-in defaults."""
+    if path is None:
+        return PluginConfig()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}; check --config") from None
+    return load_config_text(text, path)
+
+
+def config_json_schema() -> dict[str, Any]:
+    return PluginConfig.model_json_schema(by_alias=True)

@@ -1,0 +1,419 @@
+"""The one reader of a node's RDMA NICs from sysfs (and char devices from /dev).
+
+Everything that looks at a node -- the plugin, the Ansible validation roles (through
+``module_utils``), the demo -- reads it through this module, so it must stay
+standard-library only. Every function takes the roots as parameters so tests and
+molecule can point them at fixture trees laid out exactly like the kernel's,
+symlinks included.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+LOG = logging.getLogger(__name__)
+
+NODE_DEV_DIR = "/dev/infiniband"
+RDMA_CM = "rdma_cm"
+
+# ib_core port states as the kernel prints them ("4: ACTIVE").
+PORT_STATES = {
+    0: "NOP",
+    1: "DOWN",
+    2: "INIT",
+    3: "ARMED",
+    4: "ACTIVE",
+    5: "ACTIVE_DEFER",
+}
+PHYS_STATES = {
+    1: "Sleep",
+    2: "Polling",
+    3: "Disabled",
+    4: "PortConfigurationTraining",
+    5: "LinkUp",
+    6: "LinkErrorRecovery",
+    7: "Phy Test",
+}
+ACTIVE_STATES = frozenset({"ACTIVE", "ACTIVE_DEFER"})
+ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
+
+
+class SysfsError(Exception):
+    """A sysfs entry exists but cannot be understood."""
+
+
+@dataclass(frozen=True)
+class Gid:
+    index: int
+    gid: str
+    type: str  # "RoCE v2", "IB/RoCE v1", "" when the kernel has no gid_attrs
+    ndev: str  # netdev that owns the GID, "" when none
+
+    @property
+    def is_ipv6(self) -> bool:
+        """True for a GID that carries a real IPv6 address (not IPv4-mapped, not link-local)."""
+        return not self.gid.startswith("0000:0000:0000:0000:0000:ffff:") and not self.gid.startswith(
+            "fe80:"
+        )
+
+
+@dataclass(frozen=True)
+class Port:
+    number: int
+    state: str  # "ACTIVE", "DOWN", ...
+    phys_state: str  # "LinkUp", "Disabled", ...
+    link_layer: str  # "Ethernet" | "InfiniBand"
+    rate: str  # "400 Gb/sec (4X NDR)"
+    gids: tuple[Gid, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    @property
+    def rate_gbps(self) -> Optional[float]:
+        try:
+            return float(self.rate.split()[0])
+        except (IndexError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
+class CharDevice:
+    name: str  # "uverbs0"
+    node_path: str  # path on the node, always under /dev/infiniband
+    present: bool  # found under the dev root (fixtures may hold plain files)
+    port: Optional[int] = None  # umad/issm belong to a port
+
+
+@dataclass(frozen=True)
+class Nic:
+    """One RDMA device (``/sys/class/infiniband/<name>``) and the PCI function behind it."""
+
+    name: str
+    pci_address: str
+    vendor: str  # "15b3" (no 0x)
+    device_id: str  # "1021"
+    driver: str  # "mlx5_core", "" when unbound
+    numa_node: Optional[int]  # None when the kernel reports -1
+    netdevs: tuple[str, ...]
+    node_guid: str
+    fw_ver: str
+    hca_type: str
+    ports: tuple[Port, ...]
+    uverbs: Optional[CharDevice]
+    umad: tuple[CharDevice, ...] = ()
+    issm: tuple[CharDevice, ...] = ()
+    problems: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def link_layers(self) -> tuple[str, ...]:
+        return tuple(sorted({p.link_layer for p in self.ports}))
+
+    @property
+    def all_ports_active(self) -> bool:
+        return bool(self.ports) and all(p.active for p in self.ports)
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain data for JSON output and Ansible facts."""
+        return {
+            "name": self.name,
+            "pci_address": self.pci_address,
+            "vendor": self.vendor,
+            "device_id": self.device_id,
+            "driver": self.driver,
+            "numa_node": self.numa_node,
+            "netdevs": list(self.netdevs),
+            "node_guid": self.node_guid,
+            "fw_ver": self.fw_ver,
+            "hca_type": self.hca_type,
+            "ports": [
+                {
+                    "number": p.number,
+                    "state": p.state,
+                    "phys_state": p.phys_state,
+                    "link_layer": p.link_layer,
+                    "rate": p.rate,
+                    "gids": [
+                        {"index": g.index, "gid": g.gid, "type": g.type, "ndev": g.ndev}
+                        for g in p.gids
+                    ],
+                }
+                for p in self.ports
+            ],
+            "uverbs": _chardev_dict(self.uverbs),
+            "umad": [_chardev_dict(c) for c in self.umad],
+            "issm": [_chardev_dict(c) for c in self.issm],
+            "problems": list(self.problems),
+        }
+
+
+def _chardev_dict(dev: Optional[CharDevice]) -> Optional[dict[str, object]]:
+    if dev is None:
+        return None
+    return {"name": dev.name, "path": dev.node_path, "present": dev.present, "port": dev.port}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def read_text(path: str) -> Optional[str]:
+    """Stripped contents of a sysfs attribute, or None when absent or unreadable."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:  # EACCES, EIO (sysfs returns EIO for some attributes), ELOOP
+        LOG.warning("cannot read %s: %s", path, exc)
+        return None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def _link_name(path: str) -> str:
+    """Basename of a symlink's target (driver -> .../drivers/mlx5_core), "" when absent."""
+    try:
+        return os.path.basename(os.readlink(path))
+    except OSError:
+        return ""
+
+
+def _coded(value: Optional[str], names: dict[int, str]) -> str:
+    """Parse "4: ACTIVE" -> "ACTIVE"; unknown or garbage -> "UNKNOWN"."""
+    if not value:
+        return "UNKNOWN"
+    code, sep, name = value.partition(":")
+    if sep and name.strip():
+        return name.strip()
+    try:
+        return names.get(int(code), "UNKNOWN")
+    except ValueError:
+        return "UNKNOWN"
+
+
+def _hex_id(value: Optional[str]) -> str:
+    if not value:
+        return ""
+    value = value.lower()
+    return value[2:] if value.startswith("0x") else value
+
+
+def _int_or_none(value: Optional[str]) -> Optional[int]:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------- char devices
+
+
+def _char_devices(sysfs_root: str, dev_root: str, klass: str, prefix: str) -> dict[str, list[CharDevice]]:
+    """Map ibdev -> char devices of one class, found through their ``ibdev`` file.
+
+    Never assume uverbsN belongs to mlx5_N: the numbering differs once a NIC is
+    unbound or a bond is formed.
+    """
+    found: dict[str, list[CharDevice]] = {}
+    class_dir = os.path.join(sysfs_root, "class", klass)
+    for entry in _listdir(class_dir):
+        if not entry.startswith(prefix) or not entry[len(prefix):].isdigit():
+            continue
+        ibdev = read_text(os.path.join(class_dir, entry, "ibdev"))
+        if not ibdev:
+            LOG.warning("%s/%s has no readable ibdev file; skipped", klass, entry)
+            continue
+        port = _int_or_none(read_text(os.path.join(class_dir, entry, "port")))
+        present = os.path.exists(os.path.join(dev_root, "infiniband", entry))
+        found.setdefault(ibdev, []).append(
+            CharDevice(entry, f"{NODE_DEV_DIR}/{entry}", present, port)
+        )
+    return found
+
+
+def rdma_cm(dev_root: str) -> CharDevice:
+    """The node-wide connection-manager device."""
+    present = os.path.exists(os.path.join(dev_root, "infiniband", RDMA_CM))
+    return CharDevice(RDMA_CM, f"{NODE_DEV_DIR}/{RDMA_CM}", present)
+
+
+# --------------------------------------------------------------------------- ports
+
+
+def _read_gids(port_dir: str) -> tuple[Gid, ...]:
+    gids = []
+    for entry in _listdir(os.path.join(port_dir, "gids")):
+        if not entry.isdigit():
+            continue
+        gid = read_text(os.path.join(port_dir, "gids", entry))
+        if not gid or gid == ZERO_GID:
+            continue
+        gtype = read_text(os.path.join(port_dir, "gid_attrs", "types", entry)) or ""
+        ndev = read_text(os.path.join(port_dir, "gid_attrs", "ndevs", entry)) or ""
+        gids.append(Gid(int(entry), gid.lower(), gtype, ndev))
+    gids.sort(key=lambda g: g.index)
+    return tuple(gids)
+
+
+def _read_ports(ibdev_dir: str) -> tuple[list[Port], list[str]]:
+    ports, problems = [], []
+    ports_dir = os.path.join(ibdev_dir, "ports")
+    for entry in _listdir(ports_dir):
+        if not entry.isdigit():
+            continue
+        pdir = os.path.join(ports_dir, entry)
+        raw_state = read_text(os.path.join(pdir, "state"))
+        state = _coded(raw_state, PORT_STATES)
+        if state == "UNKNOWN":
+            problems.append(f"port {entry}: unreadable state {raw_state!r}")
+        ports.append(
+            Port(
+                number=int(entry),
+                state=state,
+                phys_state=_coded(read_text(os.path.join(pdir, "phys_state")), PHYS_STATES),
+                link_layer=read_text(os.path.join(pdir, "link_layer")) or "",
+                rate=read_text(os.path.join(pdir, "rate")) or "",
+                gids=_read_gids(pdir),
+            )
+        )
+    ports.sort(key=lambda p: p.number)
+    if not ports:
+        problems.append("no ports under ports/")
+    return ports, problems
+
+
+# --------------------------------------------------------------------------- netdevs
+
+
+def _netdevs(sysfs_root: str, pci_dir: str, ports: list[Port]) -> tuple[str, ...]:
+    """Netdevs of the PCI function, their bond masters, and the GID owners (RoCE LAG)."""
+    names: list[str] = []
+
+    def add(name: str) -> None:
+        if name and name not in names:
+            names.append(name)
+
+    for ifname in _listdir(os.path.join(pci_dir, "net")):
+        add(ifname)
+        master = _link_name(os.path.join(sysfs_root, "class", "net", ifname, "master"))
+        add(master)
+        if master:  # the other slaves of a RoCE LAG bond
+            for entry in _listdir(os.path.join(sysfs_root, "class", "net", master)):
+                if entry.startswith("lower_"):
+                    add(entry.removeprefix("lower_"))
+    for port in ports:
+        for gid in port.gids:
+            add(gid.ndev)
+    return tuple(names)
+
+
+# --------------------------------------------------------------------------- NICs
+
+
+def list_rdma_devices(sysfs_root: str = "/sys") -> list[str]:
+    return _listdir(os.path.join(sysfs_root, "class", "infiniband"))
+
+
+def read_nic(
+    sysfs_root: str,
+    name: str,
+    dev_root: str = "/dev",
+    uverbs: Optional[dict[str, list[CharDevice]]] = None,
+    umad: Optional[dict[str, list[CharDevice]]] = None,
+    issm: Optional[dict[str, list[CharDevice]]] = None,
+) -> Nic:
+    """Read one RDMA device. Raises SysfsError when it cannot be identified at all."""
+    ibdev_dir = os.path.join(sysfs_root, "class", "infiniband", name)
+    if not os.path.isdir(ibdev_dir):
+        raise SysfsError(f"{ibdev_dir} is missing or a dangling symlink")
+    pci_link = os.path.join(ibdev_dir, "device")
+    pci_dir = os.path.realpath(pci_link)
+    if not os.path.isdir(pci_dir):
+        raise SysfsError(f"{pci_link} does not point at a PCI function")
+    pci_address = os.path.basename(pci_dir)
+    vendor = _hex_id(read_text(os.path.join(pci_dir, "vendor")))
+    if not vendor:
+        raise SysfsError(f"{pci_dir}/vendor is missing or empty")
+    ports, problems = _read_ports(ibdev_dir)
+    numa = _int_or_none(read_text(os.path.join(pci_dir, "numa_node")))
+    if uverbs is None:
+        uverbs = _char_devices(sysfs_root, dev_root, "infiniband_verbs", "uverbs")
+    if umad is None:
+        umad = _char_devices(sysfs_root, dev_root, "infiniband_mad", "umad")
+    if issm is None:
+        issm = _char_devices(sysfs_root, dev_root, "infiniband_mad", "issm")
+    verbs = uverbs.get(name, [])
+    if not verbs:
+        problems.append("no uverbs char device names it in its ibdev file")
+    return Nic(
+        name=name,
+        pci_address=pci_address,
+        vendor=vendor,
+        device_id=_hex_id(read_text(os.path.join(pci_dir, "device"))),
+        driver=_link_name(os.path.join(pci_dir, "driver")),
+        numa_node=numa if numa is not None and numa >= 0 else None,
+        netdevs=_netdevs(sysfs_root, pci_dir, ports),
+        node_guid=read_text(os.path.join(ibdev_dir, "node_guid")) or "",
+        fw_ver=read_text(os.path.join(ibdev_dir, "fw_ver")) or "",
+        hca_type=read_text(os.path.join(ibdev_dir, "hca_type")) or "",
+        ports=tuple(ports),
+        uverbs=verbs[0] if verbs else None,
+        umad=tuple(umad.get(name, [])),
+        issm=tuple(issm.get(name, [])),
+        problems=tuple(problems),
+    )
+
+
+def read_nics(sysfs_root: str = "/sys", dev_root: str = "/dev") -> list[Nic]:
+    """Every RDMA device on the node, sorted by name. Unidentifiable ones are logged and skipped."""
+    uverbs = _char_devices(sysfs_root, dev_root, "infiniband_verbs", "uverbs")
+    umad = _char_devices(sysfs_root, dev_root, "infiniband_mad", "umad")
+    issm = _char_devices(sysfs_root, dev_root, "infiniband_mad", "issm")
+    nics = []
+    for name in list_rdma_devices(sysfs_root):
+        try:
+            nics.append(read_nic(sysfs_root, name, dev_root, uverbs, umad, issm))
+        except SysfsError as exc:
+            LOG.warning("RDMA device %s skipped: %s", name, exc)
+    return nics
+
+
+def read_port_states(sysfs_root: str, names: list[str]) -> dict[str, Optional[tuple[str, ...]]]:
+    """Cheap health probe: port states per NIC, None for a NIC that is gone."""
+    result: dict[str, Optional[tuple[str, ...]]] = {}
+    for name in names:
+        ports_dir = os.path.join(sysfs_root, "class", "infiniband", name, "ports")
+        entries = [e for e in _listdir(ports_dir) if e.isdigit()]
+        if not entries:
+            result[name] = None
+            continue
+        result[name] = tuple(
+            _coded(read_text(os.path.join(ports_dir, e, "state")), PORT_STATES)
+            for e in sorted(entries, key=int)
+        )
+    return result
+
+
+def loaded_modules(sysfs_root: str, names: list[str]) -> dict[str, bool]:
+    return {m: os.path.isdir(os.path.join(sysfs_root, "module", m)) for m in names}
+
+
+def module_version(sysfs_root: str, module: str) -> Optional[str]:
+    return read_text(os.path.join(sysfs_root, "module", module, "version"))
+
+
+def netns_mode(sysfs_root: str) -> Optional[str]:
+    """"shared", "exclusive", or None when ib_core does not expose the parameter."""
+    value = read_text(os.path.join(sysfs_root, "module", "ib_core", "parameters", "netns_mode"))
+    if value is None:
+        return None
+    return "shared" if value in ("Y", "1") else "exclusive" if value in ("N", "0") else None
