@@ -1,0 +1,270 @@
+"""Resource pools: which devices a resource advertises, their health, and what Allocate hands out.
+
+Pure logic, no I/O: a pool is fed NIC lists (from discovery) and port states (from the
+health probe) and answers with device lists and allocations. The gRPC layer and the
+supervisor call it; tests drive it directly.
+
+Shared mode: a pool is ``sharedDevices`` virtual devices over every selected NIC; a pod
+that gets any of them gets the char devices of every NIC in the pool.
+Exclusive mode: a pool has one device per NIC, ID = the NIC's PCI address, with its NUMA
+node as topology; a pod gets only the NICs it was given.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from .config import PluginConfig, ResourceConfig
+from .node.selectors import Selectors
+from .node.sysfs import ACTIVE_STATES, CharDevice, Nic
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+RDMA_CM_PATH = "/dev/infiniband/rdma_cm"
+
+
+class AllocationError(Exception):
+    """Allocate cannot be answered (unknown device ID, no NIC present)."""
+
+
+@dataclass(frozen=True)
+class Device:
+    id: str
+    health: str
+    numa_node: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+@dataclass(frozen=True)
+class ContainerAllocation:
+    devices: tuple[DeviceSpec, ...]
+    envs: dict[str, str]
+    nics: tuple[str, ...]  # RDMA device names handed out
+
+
+@dataclass(frozen=True)
+class NicHealth:
+    """What the health probe knows about one NIC the pool has seen."""
+
+    present: bool
+    ports: tuple[str, ...]  # port states; empty when gone
+
+    @property
+    def healthy(self) -> bool:
+        return self.present and bool(self.ports) and all(s in ACTIVE_STATES for s in self.ports)
+
+
+def socket_name(resource_name: str) -> str:
+    """Socket file name for a resource: rdma/hca -> rdma-dp-rdma_hca.sock."""
+    return "rdma-dp-" + resource_name.replace("/", "_").replace(".", "-") + ".sock"
+
+
+class ResourcePool:
+    """One advertised resource. Thread-safe: discovery, the health probe and gRPC calls share it."""
+
+    def __init__(self, resource: ResourceConfig, config: PluginConfig) -> None:
+        self.resource = resource
+        self.name = resource.name
+        self.mode = config.mode
+        self.policy = config.health.policy
+        self.selectors: Selectors = resource.selectors.to_selectors()
+        self.extra_env = dict(config.env)
+        if config.non_host_network.enabled:
+            self.extra_env.update(config.non_host_network.env)
+        self.with_umad = config.char_devices.umad
+        self.with_issm = config.char_devices.issm
+        self._lock = threading.Condition()
+        self._nics: dict[str, Nic] = {}  # present and selected, by RDMA device name
+        self._seen: dict[str, Nic] = {}  # every NIC ever selected (a vanished NIC stays, unhealthy)
+        self._health: dict[str, NicHealth] = {}
+        self._version = 0
+        self._devices: tuple[Device, ...] = ()
+        self._closed = False
+        short = self.name.split("/", 1)[1]
+        self._shared_ids = tuple(f"{short}-{i}" for i in range(resource.shared_devices))
+
+    # ------------------------------------------------------------------ inputs
+
+    def set_nics(self, nics: Iterable[Nic]) -> bool:
+        """Apply a discovery result; returns True when the advertised devices changed."""
+        selected = {n.name: n for n in self.selectors.select(nics)}
+        with self._lock:
+            self._nics = selected
+            for name, nic in selected.items():
+                self._seen[name] = nic
+                self._health[name] = NicHealth(True, tuple(p.state for p in nic.ports))
+            for name in set(self._seen) - set(selected):
+                self._health[name] = NicHealth(False, ())
+            return self._recompute()
+
+    def set_port_states(self, states: dict[str, Optional[tuple[str, ...]]]) -> bool:
+        """Apply a health probe (RDMA device name -> port states, None when gone)."""
+        with self._lock:
+            for name, ports in states.items():
+                if name in self._seen:
+                    self._health[name] = NicHealth(ports is not None, ports or ())
+            return self._recompute()
+
+    def close(self) -> None:
+        """Wake every waiting stream so it can end (shutdown only)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+    # ------------------------------------------------------------------ state
+
+    def _nic_usable(self, name: str) -> bool:
+        nic = self._nics.get(name)
+        health = self._health.get(name)
+        return bool(
+            nic is not None
+            and health is not None
+            and health.healthy
+            and nic.uverbs is not None
+            and nic.uverbs.present
+        )
+
+    def _recompute(self) -> bool:
+        if self.mode == "shared":
+            devices = self._shared_devices()
+        else:
+            devices = tuple(
+                Device(nic.pci_address, HEALTHY if self._nic_usable(name) else UNHEALTHY, nic.numa_node)
+                for name, nic in sorted(self._seen.items(), key=lambda kv: kv[1].pci_address)
+            )
+        if devices == self._devices:
+            return False
+        self._devices = devices
+        self._version += 1
+        self._lock.notify_all()
+        return True
+
+    def _shared_devices(self) -> tuple[Device, ...]:
+        if not self._seen:
+            return ()  # nothing selected on this node: advertise nothing rather than 1k of nothing
+        usable = [self._nic_usable(name) for name in self._seen]
+        ok = all(usable) if self.policy == "all" else any(usable)
+        health = HEALTHY if ok else UNHEALTHY
+        return tuple(Device(i, health) for i in self._shared_ids)
+
+    def snapshot(self) -> tuple[int, tuple[Device, ...]]:
+        with self._lock:
+            return self._version, self._devices
+
+    def wait_change(self, version: int, timeout: float) -> tuple[int, tuple[Device, ...], bool]:
+        """Block until the devices differ from ``version`` (or timeout / close)."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._version != version or self._closed, timeout)
+            return self._version, self._devices, self._closed
+
+    def nic_summary(self) -> list[dict[str, object]]:
+        with self._lock:
+            return [
+                {
+                    "name": name,
+                    "pci_address": nic.pci_address,
+                    "present": name in self._nics,
+                    "healthy": self._nic_usable(name),
+                    "numa_node": nic.numa_node,
+                }
+                for name, nic in sorted(self._seen.items())
+            ]
+
+    # ------------------------------------------------------------------ Allocate
+
+    def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
+        with self._lock:
+            known = {d.id for d in self._devices}
+            unknown = [d for d in device_ids if d not in known]
+            if unknown:
+                raise AllocationError(f"unknown device ID(s) {unknown} for resource {self.name}")
+            if not device_ids:
+                raise AllocationError(f"empty device list for resource {self.name}")
+            if self.mode == "shared":
+                nics = [self._nics[n] for n in sorted(self._nics)]
+            else:
+                by_pci = {nic.pci_address: nic for nic in self._seen.values()}
+                nics = [by_pci[d] for d in device_ids]
+                gone = [n.pci_address for n in nics if n.name not in self._nics]
+                if gone:
+                    raise AllocationError(f"NIC(s) {gone} of resource {self.name} are no longer present")
+                nics = [self._nics[n.name] for n in nics]
+            nics = [n for n in nics if n.uverbs is not None and n.uverbs.present]
+            if not nics:
+                raise AllocationError(f"no RDMA NIC of resource {self.name} is present on the node")
+            return self._container_allocation(nics)
+
+    def _container_allocation(self, nics: list[Nic]) -> ContainerAllocation:
+        chars: list[CharDevice] = []
+        for nic in nics:
+            assert nic.uverbs is not None
+            chars.append(nic.uverbs)
+            if self.with_umad:
+                chars.extend(c for c in nic.umad if c.present)
+            if self.with_issm:
+                chars.extend(c for c in nic.issm if c.present)
+        specs = [DeviceSpec(c.node_path, c.node_path) for c in chars]
+        specs.append(DeviceSpec(RDMA_CM_PATH, RDMA_CM_PATH))
+        names = tuple(n.name for n in nics)
+        envs = {**self.extra_env, "RDMA_DEVICES": ",".join(names)}
+        return ContainerAllocation(tuple(specs), envs, names)
+
+    # ------------------------------------------------------------------ preferred allocation
+
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Exclusive mode: must_include first, then NICs that keep the pod on the fewest NUMA nodes."""
+        with self._lock:
+            numa = {d.id: d.numa_node for d in self._devices}
+        return preferred_allocation(available, must_include, size, numa)
+
+
+def preferred_allocation(
+    available: Sequence[str], must_include: Sequence[str], size: int, numa: dict[str, Optional[int]]
+) -> list[str]:
+    """Pick ``size`` IDs from ``available``: every must_include ID first, then the fewest NUMA nodes.
+
+    NUMA nodes already used by must_include are filled first; then, if one NUMA node can hold
+    the rest, the smallest such node (best fit, keeping big nodes free for big pods); otherwise
+    the nodes with the most free NICs. NICs without NUMA affinity come last. Ties break on NUMA
+    ID then device ID, so the answer is deterministic. Never returns an ID outside ``available``.
+    """
+    avail = list(dict.fromkeys(available))
+    avail_set = set(avail)
+    chosen = [d for d in dict.fromkeys(must_include) if d in avail_set][: max(size, 0)]
+    need = size - len(chosen)
+    if need <= 0:
+        return chosen
+    free = sorted(d for d in avail if d not in set(chosen))
+    groups: dict[Optional[int], list[str]] = {}
+    for d in free:
+        groups.setdefault(numa.get(d), []).append(d)
+    used = {numa.get(d) for d in chosen}
+    order: list[Optional[int]] = sorted((n for n in groups if n in used and n is not None))
+    for n in order:
+        take = groups[n][:need]
+        chosen += take
+        need -= len(take)
+    others = [n for n in groups if n not in used and n is not None]
+    while need > 0 and others:
+        fits = [n for n in others if len(groups[n]) >= need]
+        pick = min(fits, key=lambda n: (len(groups[n]), n)) if fits else max(others, key=lambda n: (len(groups[n]), -n))
+        others.remove(pick)
+        take = groups[pick][:need]
+        chosen += take
+        need -= len(take)
+    if need > 0:
+        chosen += groups.get(None, [])[:need]
+    return chosen
+
+
+def build_pools(config: PluginConfig) -> list[ResourcePool]:
+    return [ResourcePool(r, config) for r in config.resources]
