@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from . import __version__
 from .config import ConfigError, config_json_schema, load_config
@@ -31,9 +31,7 @@ def _add_roots(p: argparse.ArgumentParser, proc: bool = False) -> None:
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--log-level", default=_env("LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"]
-    )
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default=_env("LOG_FORMAT", "text"), choices=["text", "json"])
 
 
@@ -140,10 +138,10 @@ def _fixture(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
     if args.command == "config-schema":

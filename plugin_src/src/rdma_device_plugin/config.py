@@ -9,12 +9,12 @@ chart renders this file into its ConfigMap and its tests feed it back through
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .node.selectors import LINK_TYPES, MELLANOX_VENDOR, Selectors
+from .node.selectors import MELLANOX_VENDOR, Selectors
 
 CONFIG_VERSION = "v1"
 DEFAULT_RESOURCE = "rdma/hca"
@@ -32,7 +32,7 @@ class ConfigError(ValueError):
     """The config cannot be used; the message says which key and how to fix it."""
 
 
-def resource_name_problem(name: str) -> Optional[str]:
+def resource_name_problem(name: str) -> str | None:
     """Why the kubelet would reject ``name`` as an extended resource name, or None."""
     if name.count("/") != 1:
         return "must be <domain>/<name> with exactly one '/', e.g. rdma/hca"
@@ -59,7 +59,9 @@ class SelectorsConfig(_Strict):
     device_ids: list[str] = Field(default_factory=list, alias="deviceIDs", description="PCI device IDs, e.g. 1021.")
     drivers: list[str] = Field(default_factory=list, description="Kernel drivers of the PCI function, e.g. mlx5_core.")
     if_names: list[str] = Field(default_factory=list, alias="ifNames", description="Netdev names (ports or bonds).")
-    rdma_devices: list[str] = Field(default_factory=list, alias="rdmaDevices", description="RDMA device names, e.g. mlx5_bond_0.")
+    rdma_devices: list[str] = Field(
+        default_factory=list, alias="rdmaDevices", description="RDMA device names, e.g. mlx5_bond_0."
+    )
     link_types: list[Literal["Ethernet", "InfiniBand"]] = Field(
         default_factory=list, alias="linkTypes", description="Port link layers: Ethernet (RoCE) or InfiniBand."
     )
@@ -120,7 +122,9 @@ class CharDevicesConfig(_Strict):
 
 
 class NonHostNetworkConfig(_Strict):
-    enabled: bool = Field(False, description="Pods keep their own netns; requires IPv6 compute network and shared netns mode.")
+    enabled: bool = Field(
+        False, description="Pods keep their own netns; requires IPv6 compute network and shared netns mode."
+    )
     checks: Literal["enforce", "warn"] = Field(
         "enforce", description="enforce: a failed start check stops the plugin; warn: log and serve."
     )
@@ -142,7 +146,9 @@ class CdiConfig(_Strict):
     @classmethod
     def _kind(cls, value: str) -> str:
         if not _CDI_KIND.match(value):
-            raise ValueError(f"{value!r} is not a CDI kind; write it as <vendor domain>/<class>, e.g. rdma.lingjun.io/hca")
+            raise ValueError(
+                f"{value!r} is not a CDI kind; write it as <vendor domain>/<class>, e.g. rdma.lingjun.io/hca"
+            )
         return value
 
 
@@ -156,7 +162,7 @@ def _check_env(value: dict[str, str]) -> dict[str, str]:
 class PluginConfig(_Strict):
     """Top level of the config file."""
 
-    version: Literal["v1"] = Field(CONFIG_VERSION, description="Config format version.")
+    version: Literal["v1"] = Field("v1", description="Config format version.")
     mode: Literal["shared", "exclusive"] = Field(
         "shared", description="shared: every pool is N virtual devices; exclusive: one device per NIC."
     )
@@ -242,7 +248,7 @@ def load_config_text(text: str, source: str = "<text>") -> PluginConfig:
     return load_config_data(data, source)
 
 
-def load_config(path: Optional[str]) -> PluginConfig:
+def load_config(path: str | None) -> PluginConfig:
     """Load and validate a config file; None means the built-in defaults."""
     if path is None:
         return PluginConfig()

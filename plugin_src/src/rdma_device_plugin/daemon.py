@@ -15,7 +15,6 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import Optional
 
 import grpc
 
@@ -76,7 +75,7 @@ class Supervisor:
         sysfs_root: str,
         dev_root: str,
         device_plugin_dir: str,
-        hooks: Optional[Hooks] = None,
+        hooks: Hooks | None = None,
     ) -> None:
         self.config = config
         self.dir = device_plugin_dir
@@ -85,7 +84,7 @@ class Supervisor:
         self.hooks = hooks or Hooks()
         self.servers = [PluginServer(p, device_plugin_dir, socket_name(p.name), self.hooks) for p in self.pools]
         self.stop_event = threading.Event()
-        self._kubelet_id: Optional[tuple[int, int]] = None
+        self._kubelet_id: tuple[int, int] | None = None
         self._registered: set[str] = set()
 
     # ------------------------------------------------------------------ threads
@@ -98,7 +97,7 @@ class Supervisor:
             except Exception:  # never let a bad sysfs read kill health probing
                 LOG.exception("health probe failed; retrying next interval")
 
-    def _kubelet_identity(self) -> Optional[tuple[int, int]]:
+    def _kubelet_identity(self) -> tuple[int, int] | None:
         try:
             st = os.stat(os.path.join(self.dir, KUBELET_SOCKET))
             return (st.st_ino, st.st_ctime_ns)
@@ -174,7 +173,7 @@ def serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     supervisor = Supervisor(config, args.sysfs_root, args.dev_root, args.device_plugin_dir)
 
-    def on_signal(signum: int, frame: Optional[FrameType]) -> None:
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         LOG.info("signal received, stopping", extra={"signal": signal.Signals(signum).name})
         supervisor.stop_event.set()
 

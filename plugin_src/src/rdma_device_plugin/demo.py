@@ -13,7 +13,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import yaml
 
@@ -22,14 +23,28 @@ from .kubelet_sim import KubeletSimulator
 from .node import fixtures
 
 
-def run_demo(workdir: str, config_path: Optional[str] = None, nics: int = 4, bond: bool = True) -> dict[str, Any]:
+def run_demo(workdir: str, config_path: str | None = None, nics: int = 4, bond: bool = True) -> dict[str, Any]:
     """Run the plugin against a fixture node and the simulator; returns node status and one allocation."""
     node = fixtures.write_node(os.path.join(workdir, "node"), fixtures.lingjun_node(nics=nics, bond=bond))
     dp_dir = os.path.join(workdir, "device-plugins")
     config = load_config(config_path)
     sim = KubeletSimulator(dp_dir).start()
-    cmd = [sys.executable, "-m", "rdma_device_plugin", "serve", "--sysfs-root", node.sysfs, "--dev-root", node.dev,
-           "--procfs-root", node.procfs, "--device-plugin-dir", dp_dir, "--log-format", "json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rdma_device_plugin",
+        "serve",
+        "--sysfs-root",
+        node.sysfs,
+        "--dev-root",
+        node.dev,
+        "--procfs-root",
+        node.procfs,
+        "--device-plugin-dir",
+        dp_dir,
+        "--log-format",
+        "json",
+    ]
     if config_path:
         cmd += ["--config", config_path]
     log_path = os.path.join(workdir, "plugin.log")
@@ -64,7 +79,7 @@ def run_demo(workdir: str, config_path: Optional[str] = None, nics: int = 4, bon
         sim.stop()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", help="plugin config file (default: built-in shared-mode defaults)")
     parser.add_argument("--nics", type=int, default=4)

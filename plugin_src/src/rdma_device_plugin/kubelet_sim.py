@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import grpc
 
@@ -81,7 +81,7 @@ class KubeletSimulator:
         self.registrations: list[tuple[float, str]] = []
         self.rejections: list[str] = []
         self._cond = threading.Condition()
-        self._server: Optional[grpc.Server] = None
+        self._server: grpc.Server | None = None
         self.restarts = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -90,7 +90,7 @@ class KubeletSimulator:
     def socket(self) -> str:
         return os.path.join(self.dir, KUBELET_SOCKET)
 
-    def start(self) -> "KubeletSimulator":
+    def start(self) -> KubeletSimulator:
         os.makedirs(self.dir, exist_ok=True)
         self._write_checkpoint()
         if os.path.lexists(self.socket):
@@ -146,7 +146,9 @@ class KubeletSimulator:
         problem = resource_name_problem(request.resource_name)
         if problem:
             self.rejections.append(f"resource {request.resource_name}")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid resource name {request.resource_name!r}: {problem}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"invalid resource name {request.resource_name!r}: {problem}"
+            )
         if "/" in request.endpoint:
             self.rejections.append(f"endpoint {request.endpoint}")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "endpoint must be a file name in the device-plugin dir")
@@ -194,7 +196,9 @@ class KubeletSimulator:
             with self._cond:
                 ep.stream_open = False
                 # The kubelet marks every device of an ended stream unhealthy.
-                ep.devices = {i: pb.Device(ID=i, health="Unhealthy", topology=d.topology) for i, d in ep.devices.items()}
+                ep.devices = {
+                    i: pb.Device(ID=i, health="Unhealthy", topology=d.topology) for i, d in ep.devices.items()
+                }
                 if self.endpoints.get(ep.resource) is ep:
                     ep.snapshots.append((time.monotonic(), len(ep.devices), 0))
                 self._cond.notify_all()
@@ -237,10 +241,12 @@ class KubeletSimulator:
 
     def wait_registered(self, resource: str, count: int = 1, timeout: float = 10.0) -> bool:
         return self.wait_for(
-            lambda: sum(1 for _, r in self.registrations if r == resource) >= count
-            and resource in self.endpoints
-            and self.endpoints[resource].stream_open
-            and bool(self.endpoints[resource].snapshots),
+            lambda: (
+                sum(1 for _, r in self.registrations if r == resource) >= count
+                and resource in self.endpoints
+                and self.endpoints[resource].stream_open
+                and bool(self.endpoints[resource].snapshots)
+            ),
             timeout,
         )
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Optional
 
 from .config import PluginConfig, ResourceConfig
 from .node.selectors import Selectors
@@ -34,7 +33,7 @@ class AllocationError(Exception):
 class Device:
     id: str
     health: str
-    numa_node: Optional[int] = None
+    numa_node: int | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,7 @@ class ResourcePool:
                 self._health[name] = NicHealth(False, ())
             return self._recompute()
 
-    def set_port_states(self, states: dict[str, Optional[tuple[str, ...]]]) -> bool:
+    def set_port_states(self, states: dict[str, tuple[str, ...] | None]) -> bool:
         """Apply a health probe (RDMA device name -> port states, None when gone)."""
         with self._lock:
             for name, ports in states.items():
@@ -126,11 +125,7 @@ class ResourcePool:
         nic = self._nics.get(name)
         health = self._health.get(name)
         return bool(
-            nic is not None
-            and health is not None
-            and health.healthy
-            and nic.uverbs is not None
-            and nic.uverbs.present
+            nic is not None and health is not None and health.healthy and nic.uverbs is not None and nic.uverbs.present
         )
 
     def _recompute(self) -> bool:
@@ -228,7 +223,7 @@ class ResourcePool:
 
 
 def preferred_allocation(
-    available: Sequence[str], must_include: Sequence[str], size: int, numa: dict[str, Optional[int]]
+    available: Sequence[str], must_include: Sequence[str], size: int, numa: dict[str, int | None]
 ) -> list[str]:
     """Pick ``size`` IDs from ``available``: every must_include ID first, then the fewest NUMA nodes.
 
@@ -244,12 +239,11 @@ def preferred_allocation(
     if need <= 0:
         return chosen
     free = sorted(d for d in avail if d not in set(chosen))
-    groups: dict[Optional[int], list[str]] = {}
+    groups: dict[int | None, list[str]] = {}
     for d in free:
         groups.setdefault(numa.get(d), []).append(d)
     used = {numa.get(d) for d in chosen}
-    order: list[Optional[int]] = sorted((n for n in groups if n in used and n is not None))
-    for n in order:
+    for n in sorted(n for n in groups if n in used and n is not None):
         take = groups[n][:need]
         chosen += take
         need -= len(take)

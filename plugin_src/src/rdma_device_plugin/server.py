@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent import futures
-from typing import Any, Optional
+from typing import Any
 
 import grpc
 
@@ -51,7 +51,7 @@ class Hooks:
 
 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
-    def __init__(self, pool: ResourcePool, hooks: Optional[Hooks] = None) -> None:
+    def __init__(self, pool: ResourcePool, hooks: Hooks | None = None) -> None:
         self.pool = pool
         self.hooks = hooks or Hooks()
 
@@ -112,14 +112,14 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
 class PluginServer:
     """One resource's gRPC server bound to ``<device_plugin_dir>/<socket_name>``."""
 
-    def __init__(self, pool: ResourcePool, device_plugin_dir: str, socket_name: str, hooks: Optional[Hooks] = None):
+    def __init__(self, pool: ResourcePool, device_plugin_dir: str, socket_name: str, hooks: Hooks | None = None):
         self.pool = pool
         self.dir = device_plugin_dir
         self.socket_name = socket_name
         self.path = os.path.join(device_plugin_dir, socket_name)
         self.hooks = hooks or Hooks()
-        self._server: Optional[grpc.Server] = None
-        self._inode: Optional[int] = None
+        self._server: grpc.Server | None = None
+        self._inode: int | None = None
 
     def start(self) -> None:
         if len(self.path) > 107:

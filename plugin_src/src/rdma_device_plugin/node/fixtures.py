@@ -16,8 +16,10 @@ import ipaddress
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Mapping, Optional
+from pathlib import Path
+from typing import Any
 
 from .sysfs import PHYS_STATES, PORT_STATES
 
@@ -69,7 +71,7 @@ class NodeSpec:
     rdma_cm: bool = True
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "NodeSpec":
+    def from_dict(cls, data: Mapping[str, Any]) -> NodeSpec:
         """Build from plain data (JSON/YAML spec files used by molecule)."""
         node_keys = {f.name for f in fields(cls)}
         nic_keys = {f.name for f in fields(NicSpec)}
@@ -84,9 +86,8 @@ class NodeSpec:
                     bad = sorted(set(nic) - nic_keys)
                     if bad:
                         raise ValueError(f"nics[{i}]: unknown key(s) {bad}; allowed: {sorted(nic_keys)}")
-                    nics.append(
-                        NicSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in nic.items()})
-                    )
+                    nic_kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in nic.items()}
+                    nics.append(NicSpec(**nic_kwargs))
                 kwargs["nics"] = tuple(nics)
             else:
                 kwargs[key] = tuple(value) if isinstance(value, list) else value
@@ -116,6 +117,7 @@ def lingjun_node(
     for i in range(nics):
         bus = 0x1A + 0x20 * i
         numa = i // per_numa if numa_nodes > 0 else -1
+        netdevs: tuple[str, ...]
         if bond:
             name, netdevs, master = f"mlx5_bond_{i}", (f"eth{2 * i}", f"eth{2 * i + 1}"), f"bond{i}"
         else:
@@ -215,7 +217,7 @@ class FixtureNode:
         self._symlink(os.path.join(self.sysfs, "bus", "pci", "devices", bdf), pci)
         return pci
 
-    def _netdev(self, ifname: str, pci: Optional[str], mac: str) -> str:
+    def _netdev(self, ifname: str, pci: str | None, mac: str) -> str:
         if pci:
             ndir = os.path.join(pci, "net", ifname)
             self._symlink(os.path.join(ndir, "device"), pci)
@@ -241,7 +243,7 @@ class FixtureNode:
     def _link_local_gid(mac: str) -> str:
         octets = [int(x, 16) for x in mac.split(":")]
         octets[0] ^= 0x02
-        eui = octets[:3] + [0xFF, 0xFE] + octets[3:]
+        eui = [*octets[:3], 0xFF, 0xFE, *octets[3:]]
         return ipaddress.IPv6Address(bytes([0xFE, 0x80] + [0] * 6 + eui)).exploded
 
     def _gids(self, port_dir: str, nic: NicSpec, mac: str) -> None:
@@ -262,9 +264,7 @@ class FixtureNode:
             self._write(os.path.join(port_dir, "gids", str(i)), gid)
             if nic.link_layer == "Ethernet":
                 self._write(os.path.join(port_dir, "gid_attrs", "types", str(i)), gtype)
-                self._write(
-                    os.path.join(port_dir, "gid_attrs", "ndevs", str(i)), nic.ip_netdev if gtype else ""
-                )
+                self._write(os.path.join(port_dir, "gid_attrs", "ndevs", str(i)), nic.ip_netdev if gtype else "")
 
     def add_nic(self, nic: NicSpec) -> None:
         mac = self._mac(nic)
@@ -305,7 +305,7 @@ class FixtureNode:
         for addr in nic.ipv6:
             self._add_inet6(nic.ip_netdev, addr)
 
-    def _char(self, pci: str, klass: str, name: str, ibdev: str, port: Optional[int], minor: int) -> None:
+    def _char(self, pci: str, klass: str, name: str, ibdev: str, port: int | None, minor: int) -> None:
         cdir = os.path.join(pci, klass, name)
         self._write(os.path.join(cdir, "ibdev"), ibdev)
         self._write(os.path.join(cdir, "dev"), f"231:{minor}")
@@ -326,7 +326,7 @@ class FixtureNode:
             for entry in sorted(os.listdir(kdir)) if os.path.isdir(kdir) else []:
                 cdir = os.path.join(kdir, entry)
                 ibdev_file = os.path.join(cdir, "ibdev")
-                if os.path.isfile(ibdev_file) and open(ibdev_file, encoding="utf-8").read().strip() == name:
+                if os.path.isfile(ibdev_file) and Path(ibdev_file).read_text(encoding="utf-8").strip() == name:
                     real = os.path.realpath(cdir)
                     os.unlink(cdir)
                     shutil.rmtree(real, ignore_errors=True)
@@ -354,7 +354,7 @@ class FixtureNode:
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
 
-    def write(self, spec: NodeSpec) -> "FixtureNode":
+    def write(self, spec: NodeSpec) -> FixtureNode:
         """Write the whole node from scratch (an existing root is replaced)."""
         if os.path.exists(self.root):
             shutil.rmtree(self.root)
@@ -388,7 +388,7 @@ class FixtureNode:
     def _write_ipv6_conf(self, spec: NodeSpec) -> None:
         conf = os.path.join(self.procfs, "sys", "net", "ipv6", "conf")
         disabled = set(spec.ipv6_disabled)
-        ifnames = ["all", "default", "lo"] + sorted(os.listdir(os.path.join(self.sysfs, "class", "net")))
+        ifnames = ["all", "default", "lo", *sorted(os.listdir(os.path.join(self.sysfs, "class", "net")))]
         for ifname in ifnames:
             flag = "1" if ifname in disabled or ("all" in disabled and ifname != "lo") else "0"
             self._write(os.path.join(conf, ifname, "disable_ipv6"), flag)
@@ -409,7 +409,7 @@ class FixtureNode:
         return f"{dest.packed.hex()} {plen:02x} {zero} 00 {zero} 00000100 00000001 00000000 00000001 {ifname:>8}"
 
 
-def write_node(root: str, spec: Optional[NodeSpec] = None) -> FixtureNode:
+def write_node(root: str, spec: NodeSpec | None = None) -> FixtureNode:
     """Write ``spec`` (default: a 4-NIC bonded Lingjun node) under ``root``."""
     return FixtureNode(root).write(spec or lingjun_node())
 

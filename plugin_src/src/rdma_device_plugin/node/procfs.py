@@ -8,7 +8,6 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 from .sysfs import read_text
 
@@ -95,7 +94,7 @@ def read_ipv6_routes(procfs_root: str = "/proc") -> list[Ipv6Route]:
     return result
 
 
-def ipv6_disabled(procfs_root: str, ifname: str) -> Optional[bool]:
+def ipv6_disabled(procfs_root: str, ifname: str) -> bool | None:
     """True/False from conf/<if>/disable_ipv6 (or conf/all); None when neither exists."""
     conf = os.path.join(procfs_root, "sys", "net", "ipv6", "conf")
     all_value = read_text(os.path.join(conf, "all", "disable_ipv6"))

@@ -6,8 +6,8 @@ matches everything. The default selects every Mellanox/NVIDIA (vendor 15b3) NIC.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 from .sysfs import Nic
 
@@ -25,7 +25,7 @@ class Selectors:
     link_types: tuple[str, ...] = ()
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Sequence[str]]) -> "Selectors":
+    def from_mapping(cls, data: Mapping[str, Sequence[str]]) -> Selectors:
         """Build from the config's camelCase keys (vendors, deviceIDs, drivers, ifNames, rdmaDevices, linkTypes)."""
         keys = {
             "vendors": "vendors",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 LOG = logging.getLogger(__name__)
 
@@ -55,9 +54,7 @@ class Gid:
     @property
     def is_ipv6(self) -> bool:
         """True for a GID that carries a real IPv6 address (not IPv4-mapped, not link-local)."""
-        return not self.gid.startswith("0000:0000:0000:0000:0000:ffff:") and not self.gid.startswith(
-            "fe80:"
-        )
+        return not self.gid.startswith("0000:0000:0000:0000:0000:ffff:") and not self.gid.startswith("fe80:")
 
 
 @dataclass(frozen=True)
@@ -74,7 +71,7 @@ class Port:
         return self.state in ACTIVE_STATES
 
     @property
-    def rate_gbps(self) -> Optional[float]:
+    def rate_gbps(self) -> float | None:
         try:
             return float(self.rate.split()[0])
         except (IndexError, ValueError):
@@ -86,7 +83,7 @@ class CharDevice:
     name: str  # "uverbs0"
     node_path: str  # path on the node, always under /dev/infiniband
     present: bool  # found under the dev root (fixtures may hold plain files)
-    port: Optional[int] = None  # umad/issm belong to a port
+    port: int | None = None  # umad/issm belong to a port
 
 
 @dataclass(frozen=True)
@@ -98,13 +95,13 @@ class Nic:
     vendor: str  # "15b3" (no 0x)
     device_id: str  # "1021"
     driver: str  # "mlx5_core", "" when unbound
-    numa_node: Optional[int]  # None when the kernel reports -1
+    numa_node: int | None  # None when the kernel reports -1
     netdevs: tuple[str, ...]
     node_guid: str
     fw_ver: str
     hca_type: str
     ports: tuple[Port, ...]
-    uverbs: Optional[CharDevice]
+    uverbs: CharDevice | None
     umad: tuple[CharDevice, ...] = ()
     issm: tuple[CharDevice, ...] = ()
     problems: tuple[str, ...] = field(default=(), compare=False)
@@ -137,10 +134,7 @@ class Nic:
                     "phys_state": p.phys_state,
                     "link_layer": p.link_layer,
                     "rate": p.rate,
-                    "gids": [
-                        {"index": g.index, "gid": g.gid, "type": g.type, "ndev": g.ndev}
-                        for g in p.gids
-                    ],
+                    "gids": [{"index": g.index, "gid": g.gid, "type": g.type, "ndev": g.ndev} for g in p.gids],
                 }
                 for p in self.ports
             ],
@@ -151,7 +145,7 @@ class Nic:
         }
 
 
-def _chardev_dict(dev: Optional[CharDevice]) -> Optional[dict[str, object]]:
+def _chardev_dict(dev: CharDevice | None) -> dict[str, object] | None:
     if dev is None:
         return None
     return {"name": dev.name, "path": dev.node_path, "present": dev.present, "port": dev.port}
@@ -160,7 +154,7 @@ def _chardev_dict(dev: Optional[CharDevice]) -> Optional[dict[str, object]]:
 # --------------------------------------------------------------------------- helpers
 
 
-def read_text(path: str) -> Optional[str]:
+def read_text(path: str) -> str | None:
     """Stripped contents of a sysfs attribute, or None when absent or unreadable."""
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -187,7 +181,7 @@ def _link_name(path: str) -> str:
         return ""
 
 
-def _coded(value: Optional[str], names: dict[int, str]) -> str:
+def _coded(value: str | None, names: dict[int, str]) -> str:
     """Parse "4: ACTIVE" -> "ACTIVE"; unknown or garbage -> "UNKNOWN"."""
     if not value:
         return "UNKNOWN"
@@ -200,14 +194,14 @@ def _coded(value: Optional[str], names: dict[int, str]) -> str:
         return "UNKNOWN"
 
 
-def _hex_id(value: Optional[str]) -> str:
+def _hex_id(value: str | None) -> str:
     if not value:
         return ""
     value = value.lower()
     return value[2:] if value.startswith("0x") else value
 
 
-def _int_or_none(value: Optional[str]) -> Optional[int]:
+def _int_or_none(value: str | None) -> int | None:
     try:
         return int(value) if value is not None else None
     except ValueError:
@@ -226,7 +220,7 @@ def _char_devices(sysfs_root: str, dev_root: str, klass: str, prefix: str) -> di
     found: dict[str, list[CharDevice]] = {}
     class_dir = os.path.join(sysfs_root, "class", klass)
     for entry in _listdir(class_dir):
-        if not entry.startswith(prefix) or not entry[len(prefix):].isdigit():
+        if not entry.startswith(prefix) or not entry[len(prefix) :].isdigit():
             continue
         ibdev = read_text(os.path.join(class_dir, entry, "ibdev"))
         if not ibdev:
@@ -234,9 +228,7 @@ def _char_devices(sysfs_root: str, dev_root: str, klass: str, prefix: str) -> di
             continue
         port = _int_or_none(read_text(os.path.join(class_dir, entry, "port")))
         present = os.path.exists(os.path.join(dev_root, "infiniband", entry))
-        found.setdefault(ibdev, []).append(
-            CharDevice(entry, f"{NODE_DEV_DIR}/{entry}", present, port)
-        )
+        found.setdefault(ibdev, []).append(CharDevice(entry, f"{NODE_DEV_DIR}/{entry}", present, port))
     return found
 
 
@@ -327,9 +319,9 @@ def read_nic(
     sysfs_root: str,
     name: str,
     dev_root: str = "/dev",
-    uverbs: Optional[dict[str, list[CharDevice]]] = None,
-    umad: Optional[dict[str, list[CharDevice]]] = None,
-    issm: Optional[dict[str, list[CharDevice]]] = None,
+    uverbs: dict[str, list[CharDevice]] | None = None,
+    umad: dict[str, list[CharDevice]] | None = None,
+    issm: dict[str, list[CharDevice]] | None = None,
 ) -> Nic:
     """Read one RDMA device. Raises SysfsError when it cannot be identified at all."""
     ibdev_dir = os.path.join(sysfs_root, "class", "infiniband", name)
@@ -387,9 +379,9 @@ def read_nics(sysfs_root: str = "/sys", dev_root: str = "/dev") -> list[Nic]:
     return nics
 
 
-def read_port_states(sysfs_root: str, names: list[str]) -> dict[str, Optional[tuple[str, ...]]]:
+def read_port_states(sysfs_root: str, names: list[str]) -> dict[str, tuple[str, ...] | None]:
     """Cheap health probe: port states per NIC, None for a NIC that is gone."""
-    result: dict[str, Optional[tuple[str, ...]]] = {}
+    result: dict[str, tuple[str, ...] | None] = {}
     for name in names:
         ports_dir = os.path.join(sysfs_root, "class", "infiniband", name, "ports")
         entries = [e for e in _listdir(ports_dir) if e.isdigit()]
@@ -397,8 +389,7 @@ def read_port_states(sysfs_root: str, names: list[str]) -> dict[str, Optional[tu
             result[name] = None
             continue
         result[name] = tuple(
-            _coded(read_text(os.path.join(ports_dir, e, "state")), PORT_STATES)
-            for e in sorted(entries, key=int)
+            _coded(read_text(os.path.join(ports_dir, e, "state")), PORT_STATES) for e in sorted(entries, key=int)
         )
     return result
 
@@ -407,12 +398,12 @@ def loaded_modules(sysfs_root: str, names: list[str]) -> dict[str, bool]:
     return {m: os.path.isdir(os.path.join(sysfs_root, "module", m)) for m in names}
 
 
-def module_version(sysfs_root: str, module: str) -> Optional[str]:
+def module_version(sysfs_root: str, module: str) -> str | None:
     return read_text(os.path.join(sysfs_root, "module", module, "version"))
 
 
-def netns_mode(sysfs_root: str) -> Optional[str]:
-    """"shared", "exclusive", or None when ib_core does not expose the parameter."""
+def netns_mode(sysfs_root: str) -> str | None:
+    """ "shared", "exclusive", or None when ib_core does not expose the parameter."""
     value = read_text(os.path.join(sysfs_root, "module", "ib_core", "parameters", "netns_mode"))
     if value is None:
         return None

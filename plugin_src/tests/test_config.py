@@ -1,0 +1,95 @@
+"""Config validation: defaults, and one clear message per bad key."""
+
+from __future__ import annotations
+
+import pytest
+
+from rdma_device_plugin.config import ConfigError, load_config, load_config_text, resource_name_problem
+
+
+def test_defaults_serve_rdma_hca_1000_over_mellanox() -> None:
+    cfg = load_config(None)
+    assert cfg.mode == "shared"
+    assert [(r.name, r.shared_devices, r.selectors.vendors) for r in cfg.resources] == [("rdma/hca", 1000, ["15b3"])]
+    assert cfg.health.policy == "all"
+    assert cfg.health.interval_seconds <= 1.0
+
+
+def test_full_config_round_trip() -> None:
+    cfg = load_config_text(
+        """
+version: v1
+mode: exclusive
+resources:
+  - name: rdma/hca
+    sharedDevices: 500
+    selectors: {vendors: ["0x15B3"], linkTypes: [Ethernet], ifNames: [bond0, bond1]}
+  - name: example.com/ib
+health: {intervalSeconds: 0.2, policy: any}
+rediscoveryIntervalSeconds: 10
+charDevices: {umad: true}
+env: {NCCL_DEBUG: INFO}
+"""
+    )
+    assert cfg.mode == "exclusive"
+    assert cfg.resources[0].selectors.vendors == ["15b3"]
+    assert cfg.resources[0].selectors.to_selectors().if_names == ("bond0", "bond1")
+    assert cfg.resources[1].shared_devices == 1000
+    assert cfg.char_devices.umad and not cfg.char_devices.issm
+    assert cfg.env == {"NCCL_DEBUG": "INFO"}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("mode: turbo", "mode: Input should be 'shared' or 'exclusive'"),
+        ("version: v2", "version: Input should be 'v1'"),
+        ("colour: blue", "colour: unknown key (remove it or check its spelling)"),
+        ("resources:\n- name: Rdma/hca", "resources[0].name: invalid resource name 'Rdma/hca'"),
+        ("resources:\n- name: hca", "exactly one '/'"),
+        ("resources:\n- name: a/b/c", "exactly one '/'"),
+        (
+            "resources:\n- name: rdma/hca\n  sharedDevices: -5",
+            "resources[0].sharedDevices: Input should be greater than or equal to 1",
+        ),
+        ("resources:\n- name: rdma/hca\n- name: rdma/hca", "duplicate resource name(s) ['rdma/hca']"),
+        ("resources: []", "resources: List should have at least 1 item"),
+        ("health: {intervalSeconds: -1}", "health.intervalSeconds: Input should be greater than 0"),
+        ("health: {policy: most}", "health.policy: Input should be 'all' or 'any'"),
+        ("resources:\n- selectors: {vendors: [mellanox]}", "is not a 4-digit hex PCI ID"),
+        ("resources:\n- selectors: {linkTypes: [ether]}", "linkTypes[0]: Input should be 'Ethernet' or 'InfiniBand'"),
+        ("env: {'1BAD': x}", "not a valid environment variable name"),
+        ("sharedDevices: 5", "sharedDevices: unknown key"),
+        ("- just a list", "the top level must be a mapping"),
+        ("mode: [unclosed", "not valid YAML"),
+    ],
+)
+def test_bad_config_names_key_and_fix(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config_text(text, "cfg.yaml")
+    assert expected in str(err.value)
+    assert "cfg.yaml" in str(err.value)
+
+
+def test_all_problems_reported_together() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config_text("mode: x\nhealth: {policy: y}\nbogus: 1")
+    msg = str(err.value)
+    assert "mode:" in msg and "health.policy:" in msg and "bogus:" in msg
+
+
+def test_unreadable_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match=r"cannot read config file .*missing\.yaml.*check --config"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("name", ["rdma/hca", "rdma.example.com/hca_1", "a/B"])
+def test_valid_resource_names(name: str) -> None:
+    assert resource_name_problem(name) is None
+
+
+@pytest.mark.parametrize(
+    "name", ["Rdma/hca", "hca", "a/b/c", "kubernetes.io/hca", "requests.x/y", "rdma/-x", "rdma/" + "x" * 64]
+)
+def test_invalid_resource_names(name: str) -> None:
+    assert resource_name_problem(name) is not None
