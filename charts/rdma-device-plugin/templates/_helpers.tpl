@@ -1,0 +1,164 @@
+{{/*
+Helpers, all namespaced by the chart name.
+*/}}
+
+{{- define "rdma-device-plugin.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name, cut so that "<fullname>-exclusive" (the longest suffix) stays a valid 63-char name.
+*/}}
+{{- define "rdma-device-plugin.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "rdma-device-plugin.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "rdma-device-plugin.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rdma-device-plugin.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "rdma-device-plugin.labels" -}}
+helm.sh/chart: {{ include "rdma-device-plugin.chart" . }}
+{{ include "rdma-device-plugin.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: rdma-device-plugin
+{{- end }}
+
+{{- define "rdma-device-plugin.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "rdma-device-plugin.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "rdma-device-plugin.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{/*
+Every resource name the plugin advertises: resourceName first, then extraResources.
+Returned as JSON (templates cannot return lists): use with fromJsonArray.
+*/}}
+{{- define "rdma-device-plugin.resourceNames" -}}
+{{- $names := list .Values.resourceName }}
+{{- range .Values.extraResources }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- toJson $names }}
+{{- end }}
+
+{{/*
+The plugin's config file for one mode. Call with (dict "root" $ "mode" "shared").
+Exactly the shape rdma_device_plugin.config.PluginConfig accepts (version v1, no extra keys).
+*/}}
+{{- define "rdma-device-plugin.config" -}}
+{{- $v := .root.Values }}
+{{- $resources := list (dict "name" $v.resourceName "sharedDevices" (int $v.sharedDevices) "selectors" $v.selectors) }}
+{{- range $v.extraResources }}
+{{- $r := dict "name" .name "sharedDevices" (int (ternary .sharedDevices 1000 (hasKey . "sharedDevices"))) }}
+{{- with .selectors }}{{ $_ := set $r "selectors" . }}{{ end }}
+{{- $resources = append $resources $r }}
+{{- end }}
+{{- $cfg := dict
+      "version" "v1"
+      "mode" .mode
+      "resources" $resources
+      "health" $v.health
+      "rediscoveryIntervalSeconds" $v.rediscoveryIntervalSeconds
+      "charDevices" $v.charDevices
+      "env" $v.env
+      "nonHostNetwork" $v.nonHostNetwork
+      "cdi" (dict "enabled" $v.cdi.enabled "kind" $v.cdi.kind) }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{/*
+Node affinity of the DaemonSet of one mode. Call with (dict "root" $ "mode" "shared").
+Takes .Values.affinity and ANDs the mode-label expression into every nodeSelectorTerm (terms are
+ORed by Kubernetes). The default mode needs "label absent OR label == mode", which one term cannot
+say, so every term is doubled: one copy with DoesNotExist, one with In [mode]. A node whose label
+holds any other value gets neither DaemonSet (see NOTES).
+*/}}
+{{- define "rdma-device-plugin.affinity" -}}
+{{- $v := .root.Values }}
+{{- $key := $v.modeLabelKey }}
+{{- $affinity := deepCopy ($v.affinity | default dict) }}
+{{- $nodeAffinity := get $affinity "nodeAffinity" | default dict }}
+{{- $required := get $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution" | default dict }}
+{{- $terms := get $required "nodeSelectorTerms" | default (list (dict)) }}
+{{- $variants := list (dict "key" $key "operator" "In" "values" (list .mode)) }}
+{{- if eq .mode $v.mode }}
+{{- $variants = list (dict "key" $key "operator" "DoesNotExist") (dict "key" $key "operator" "In" "values" (list .mode)) }}
+{{- end }}
+{{- $newTerms := list }}
+{{- range $term := $terms }}
+{{- range $expr := $variants }}
+{{- $t := deepCopy $term }}
+{{- $_ := set $t "matchExpressions" (append (get $t "matchExpressions" | default list) $expr) }}
+{{- $newTerms = append $newTerms $t }}
+{{- end }}
+{{- end }}
+{{- $_ := set $required "nodeSelectorTerms" $newTerms }}
+{{- $_ := set $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution" $required }}
+{{- $_ := set $affinity "nodeAffinity" $nodeAffinity }}
+{{- toYaml $affinity }}
+{{- end }}
+
+{{/*
+Container securityContext: the least privilege that works, with .Values.securityContext merged over.
+The plugin runs as root because it must create its gRPC socket in the kubelet's root-owned
+device-plugins directory (0755 root:root) and the kubelet must be able to connect to it; it needs no
+capability for that (the directory owner is root), so every capability is dropped.
+privileged: true (only if asked for) drops allowPrivilegeEscalation: false, which Kubernetes rejects
+next to privileged.
+*/}}
+{{- define "rdma-device-plugin.securityContext" -}}
+{{- $sc := dict
+      "runAsUser" 0
+      "runAsNonRoot" false
+      "readOnlyRootFilesystem" true
+      "seccompProfile" (dict "type" "RuntimeDefault") }}
+{{- if .Values.privileged }}
+{{- $_ := set $sc "privileged" true }}
+{{- else }}
+{{- $_ := set $sc "privileged" false }}
+{{- $_ := set $sc "allowPrivilegeEscalation" false }}
+{{- $_ := set $sc "capabilities" (dict "drop" (list "ALL")) }}
+{{- end }}
+{{- toYaml (mergeOverwrite $sc (deepCopy .Values.securityContext)) }}
+{{- end }}
+
+{{/*
+CEL: does the pod expression (e.g. "object") request any of the plugin's resources, in limits or
+requests, of any container or initContainer? Call with (dict "root" $ "obj" "object").
+Kept to has()/exists()/in so that both Kubernetes CEL and cel-python (the chart tests) evaluate it.
+*/}}
+{{- define "rdma-device-plugin.celRequestsRdma" -}}
+{{- $o := .obj }}
+{{- $names := include "rdma-device-plugin.resourceNames" .root | fromJsonArray }}
+{{- $r := include "rdma-device-plugin.celList" $names }}
+{{- printf "(has(%s.spec.initContainers) ? %s.spec.containers + %s.spec.initContainers : %s.spec.containers).exists(c, has(c.resources) && ((has(c.resources.limits) && %s.exists(r, r in c.resources.limits)) || (has(c.resources.requests) && %s.exists(r, r in c.resources.requests))))" $o $o $o $o $r $r }}
+{{- end }}
+
+{{/* A CEL list literal of strings: ['a', 'b']. */}}
+{{- define "rdma-device-plugin.celList" -}}
+{{- $quoted := list }}
+{{- range . }}{{ $quoted = append $quoted (printf "'%s'" .) }}{{ end }}
+{{- printf "[%s]" (join ", " $quoted) }}
+{{- end }}

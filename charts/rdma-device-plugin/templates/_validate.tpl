@@ -1,0 +1,81 @@
+{{/*
+Checks that values.schema.json cannot express (combinations) plus the ranges again (the schema can be
+skipped with --skip-schema-validation). Every problem is collected and reported in ONE fail, each
+line saying how to fix it. Included at the top of the ConfigMap template, so nothing renders when a
+check fails.
+*/}}
+{{- define "rdma-device-plugin.validate" -}}
+{{- $v := .Values }}
+{{- $errors := list }}
+
+{{- /* modes */}}
+{{- if not (has $v.mode (list "shared" "exclusive")) }}
+{{- $errors = append $errors (printf "mode=%v: use shared or exclusive" $v.mode) }}
+{{- end }}
+
+{{- /* resource pools: names unique across resourceName and extraResources, sharedDevices in range */}}
+{{- $seen := dict }}
+{{- $pools := list (dict "where" "resourceName/sharedDevices" "name" $v.resourceName "sharedDevices" $v.sharedDevices) }}
+{{- range $i, $r := $v.extraResources }}
+{{- $pools = append $pools (dict "where" (printf "extraResources[%d]" $i) "name" ($r.name | default "") "sharedDevices" (ternary $r.sharedDevices 1000 (hasKey $r "sharedDevices"))) }}
+{{- end }}
+{{- range $pools }}
+{{- $name := toString .name }}
+{{- if hasKey $seen $name }}
+{{- $errors = append $errors (printf "%s: resource name %q is already used by %s; give every pool its own name (resourceName and extraResources[].name must all differ)" .where $name (get $seen $name)) }}
+{{- else }}
+{{- $_ := set $seen $name .where }}
+{{- end }}
+{{- if contains "kubernetes.io" $name }}
+{{- $errors = append $errors (printf "%s: resource name %q uses the reserved kubernetes.io domain; pick your own domain, e.g. rdma/hca" .where $name) }}
+{{- end }}
+{{- $n := .sharedDevices | float64 }}
+{{- if or (lt $n 1.0) (gt $n 100000.0) (ne $n (floor $n)) }}
+{{- $errors = append $errors (printf "%s: sharedDevices=%v is out of range; use a whole number from 1 to 100000 (1000 is what ACK uses)" .where .sharedDevices) }}
+{{- end }}
+{{- end }}
+
+{{- /* admission policy */}}
+{{- $actions := $v.admissionPolicy.validationActions | default list }}
+{{- if and $v.admissionPolicy.enabled (has "Deny" $actions) (has "Warn" $actions) }}
+{{- $errors = append $errors "admissionPolicy.validationActions: Deny and Warn together are rejected by Kubernetes (they duplicate the failure in the response and in warnings); use [Deny] or [Deny, Audit] to block, or [Warn] / [Warn, Audit] to only warn" }}
+{{- end }}
+{{- if and $v.admissionPolicy.enabled (not $actions) }}
+{{- $errors = append $errors "admissionPolicy.validationActions is empty; list at least one of Deny, Warn, Audit, or set admissionPolicy.enabled=false" }}
+{{- end }}
+{{- if ne (len $actions) (len (uniq $actions)) }}
+{{- $errors = append $errors (printf "admissionPolicy.validationActions=%v lists an action twice; list each action once" $actions) }}
+{{- end }}
+
+{{- /* metrics */}}
+{{- if and $v.metrics.serviceMonitor.enabled (not $v.metrics.enabled) }}
+{{- $errors = append $errors "metrics.serviceMonitor.enabled=true needs metrics.enabled=true (there is nothing to scrape otherwise); set metrics.enabled=true or metrics.serviceMonitor.enabled=false" }}
+{{- end }}
+{{- $port := $v.metrics.port | float64 }}
+{{- if or (lt $port 1.0) (gt $port 65535.0) }}
+{{- $errors = append $errors (printf "metrics.port=%v: use a port from 1 to 65535" $v.metrics.port) }}
+{{- end }}
+
+{{- /* security context */}}
+{{- $sc := $v.securityContext | default dict }}
+{{- if and $v.privileged (hasKey $sc "allowPrivilegeEscalation") (not $sc.allowPrivilegeEscalation) }}
+{{- $errors = append $errors "privileged=true with securityContext.allowPrivilegeEscalation=false is rejected by Kubernetes; drop securityContext.allowPrivilegeEscalation or (better) set privileged=false, the plugin does not need it" }}
+{{- end }}
+{{- if and (hasKey $sc "privileged") (ne (toString $sc.privileged) (toString $v.privileged)) }}
+{{- $errors = append $errors "securityContext.privileged contradicts the privileged value; set privileged (top level) only" }}
+{{- end }}
+{{- if and (hasKey $sc "runAsNonRoot") $sc.runAsNonRoot }}
+{{- $errors = append $errors "securityContext.runAsNonRoot=true cannot work: the plugin must run as root to create its socket in the kubelet's root-owned device-plugins directory; remove it" }}
+{{- end }}
+
+{{- /* paths */}}
+{{- range $key, $path := dict "kubeletDir" $v.kubeletDir "cdi.hostDir" $v.cdi.hostDir }}
+{{- if not (hasPrefix "/" (toString $path)) }}
+{{- $errors = append $errors (printf "%s=%q must be an absolute path on the node, e.g. /var/lib/kubelet" $key (toString $path)) }}
+{{- end }}
+{{- end }}
+
+{{- if $errors }}
+{{- fail (printf "\n\nrdma-device-plugin: %d problem(s) in the values; fix each and render again:\n  - %s\n" (len $errors) (join "\n  - " $errors)) }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,62 @@
+"""The plugin config inside every rendered ConfigMap is accepted by the plugin's own loader and carries
+the values it was rendered from."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import CASES, manifests, one
+from rdma_device_plugin.config import load_config_text
+
+
+def _configs(values: dict):
+    objs = manifests(values)
+    return {mode: load_config_text(one(objs, "ConfigMap", f"-{mode}")["data"]["config.yaml"], f"configmap {mode}") for mode in ("shared", "exclusive")}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_config_loads(case: str) -> None:
+    values = CASES[case]
+    configs = _configs(values)
+    for mode, cfg in configs.items():
+        assert cfg.version == "v1"
+        assert cfg.mode == mode
+        assert cfg.resources[0].name == values.get("resourceName", "rdma/hca")
+        assert cfg.resources[0].shared_devices == values.get("sharedDevices", 1000)
+        nhn = values.get("nonHostNetwork", {})
+        assert cfg.non_host_network.enabled is nhn.get("enabled", False)
+        assert cfg.non_host_network.checks == nhn.get("checks", "enforce")
+        assert dict(cfg.non_host_network.env) == nhn.get("env", {})
+        assert cfg.cdi.enabled is values.get("cdi", {}).get("enabled", False)
+    # the two configs differ only in mode
+    shared, exclusive = configs["shared"], configs["exclusive"]
+    assert shared.model_dump() | {"mode": None} == exclusive.model_dump() | {"mode": None}
+
+
+def test_defaults_match_ack() -> None:
+    cfg = _configs({})["shared"]
+    assert [(r.name, r.shared_devices, r.selectors.vendors) for r in cfg.resources] == [("rdma/hca", 1000, ["15b3"])]
+    assert cfg.health.policy == "all" and cfg.health.interval_seconds == 0.5
+    assert cfg.rediscovery_interval_seconds == 5
+    assert not cfg.char_devices.umad and not cfg.char_devices.issm
+
+
+def test_extra_resources_and_selectors_reach_the_plugin() -> None:
+    cfg = _configs(CASES["extra-resources"])["shared"]
+    assert [(r.name, r.shared_devices) for r in cfg.resources] == [
+        ("rdma/hca_roce", 500),
+        ("rdma/hca_ib", 100),
+        ("example.com/bond0", 1000),
+    ]
+    main = cfg.resources[0].selectors
+    assert main.device_ids == ["101d", "1021"] and main.drivers == ["mlx5_core"] and main.link_types == ["Ethernet"]
+    assert cfg.resources[1].selectors.link_types == ["InfiniBand"]
+    assert cfg.resources[2].selectors.vendors == ["15b3"]  # plugin default when a pool gives no selectors
+    assert cfg.char_devices.umad and cfg.char_devices.issm
+    assert dict(cfg.env) == {"NCCL_IB_HCA": "mlx5"}
+    assert cfg.health.policy == "any" and cfg.health.interval_seconds == 2
+    assert cfg.rediscovery_interval_seconds == 30
+
+
+def test_cdi_kind_reaches_the_plugin() -> None:
+    cfg = _configs(CASES["cdi"])["exclusive"]
+    assert cfg.cdi.enabled and cfg.cdi.kind == "example.com/rdma"

@@ -1,0 +1,239 @@
+"""Evaluate the rendered ValidatingAdmissionPolicy with cel-python, the way the API server does:
+matchConditions (all true, else the request is not validated), then variables in order, then each
+validation (false = violation with its message). Inputs: the seed's two Jobs (examples/), the chart's
+own pods, and hand-made bad pods."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import celpy
+import pytest
+from celpy import celtypes
+from conftest import CASES, NAMESPACE, RELEASE, by_kind, daemonsets, example_jobs, manifests, one
+
+ENV = celpy.Environment()
+
+
+class Policy:
+    def __init__(self, values: dict[str, Any]) -> None:
+        objs = manifests(values)
+        self.policy = one(objs, "ValidatingAdmissionPolicy")
+        self.binding = one(objs, "ValidatingAdmissionPolicyBinding")
+        spec = self.policy["spec"]
+        self.conditions = [(c["name"], self._compile(c["expression"])) for c in spec.get("matchConditions", [])]
+        self.variables = [(v["name"], self._compile(v["expression"])) for v in spec.get("variables", [])]
+        self.validations = [(v["message"], self._compile(v["expression"])) for v in spec["validations"]]
+
+    @staticmethod
+    def _compile(expression: str) -> Any:
+        return ENV.program(ENV.compile(expression))
+
+    @staticmethod
+    def _run(program: Any, activation: dict[str, Any]) -> Any:
+        result = program.evaluate(activation)
+        if isinstance(result, celpy.CELEvalError):
+            raise AssertionError(f"CEL error: {result}")
+        return result
+
+    def evaluate(self, pod: dict[str, Any], operation: str = "CREATE", namespace: str = "default",
+                 old: Optional[dict[str, Any]] = None) -> Optional[list[str]]:
+        """None when the policy does not apply (a matchCondition is false), else the violation messages."""
+        activation: dict[str, Any] = {
+            "object": celpy.json_to_cel(pod),
+            "oldObject": celpy.json_to_cel(old),
+            "request": celpy.json_to_cel({"operation": operation, "namespace": namespace, "kind": {"group": "", "version": "v1", "kind": "Pod"}}),
+        }
+        for _name, program in self.conditions:
+            if not self._run(program, activation):
+                return None
+        variables = celtypes.MapType({})
+        activation["variables"] = variables
+        for name, program in self.variables:
+            variables[celtypes.StringType(name)] = self._run(program, activation)
+        return [message for message, program in self.validations if not self._run(program, activation)]
+
+
+@pytest.fixture(scope="module")
+def switch_off() -> Policy:
+    return Policy({})
+
+
+@pytest.fixture(scope="module")
+def switch_on() -> Policy:
+    return Policy(CASES["non-hostnetwork"])
+
+
+def pod_of_job(job: dict[str, Any]) -> dict[str, Any]:
+    template = copy.deepcopy(job["spec"]["template"])
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": template.get("metadata", {"name": "x"}), "spec": template["spec"]}
+
+
+def rdma_pod(host_network: Optional[bool] = True, caps: Optional[list[str]] = ("IPC_LOCK",), where: str = "limits",
+             resource: str = "rdma/hca", security_context: bool = True) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": "train", "image": "img", "resources": {where: {resource: 1, "nvidia.com/gpu": 8}}}
+    if security_context:
+        container["securityContext"] = {"capabilities": {"add": list(caps)}} if caps is not None else {}
+    spec: dict[str, Any] = {"containers": [container]}
+    if host_network is not None:
+        spec["hostNetwork"] = host_network
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "labels": {"app": "train"}}, "spec": spec}
+
+
+def _hostnetwork_denied(messages: Optional[list[str]]) -> bool:
+    return messages is not None and any("nonHostNetwork.enabled" in m and "hostNetwork: true" in m for m in messages)
+
+
+def _ipc_lock_denied(messages: Optional[list[str]]) -> bool:
+    return messages is not None and any("IPC_LOCK" in m for m in messages)
+
+
+# ------------------------------------------------------------------ the seed's Jobs
+
+
+def test_examples_are_the_seed_jobs() -> None:
+    jobs = example_jobs()
+    assert sorted(j["metadata"]["name"] for j in jobs.values()) == ["rdma-hostnetwork-test", "rdma-non-hostnetwork-test"]
+    for job in jobs.values():
+        container = job["spec"]["template"]["spec"]["containers"][0]
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "rdma/hca": 1}
+        assert set(container["securityContext"]["capabilities"]["add"]) == {"SYS_RESOURCE", "IPC_LOCK"}
+
+
+def test_seed_hostnetwork_job_allowed_either_way(switch_off: Policy, switch_on: Policy) -> None:
+    pod = pod_of_job(example_jobs()["rdma-hostnetwork-test"])
+    assert pod["spec"]["hostNetwork"] is True
+    assert switch_off.evaluate(pod) == []
+    assert switch_on.evaluate(pod) == []
+
+
+def test_seed_non_hostnetwork_job_denied_when_switch_off(switch_off: Policy) -> None:
+    pod = pod_of_job(example_jobs()["rdma-non-hostnetwork-test"])
+    messages = switch_off.evaluate(pod)
+    assert _hostnetwork_denied(messages)
+    assert not _ipc_lock_denied(messages)
+
+
+def test_seed_non_hostnetwork_job_allowed_when_switch_on(switch_on: Policy) -> None:
+    pod = pod_of_job(example_jobs()["rdma-non-hostnetwork-test"])
+    assert switch_on.evaluate(pod) == []
+    # and the hostNetwork rule is not rendered at all
+    assert not any("hostNetwork" in v["expression"] for v in switch_on.policy["spec"]["validations"])
+
+
+# ------------------------------------------------------------------ bad and odd pods
+
+
+@pytest.mark.parametrize("policy_name", ["switch_off", "switch_on"])
+def test_no_ipc_lock_denied(policy_name: str, request: pytest.FixtureRequest) -> None:
+    policy: Policy = request.getfixturevalue(policy_name)
+    assert _ipc_lock_denied(policy.evaluate(rdma_pod(caps=["SYS_RESOURCE"])))
+    assert _ipc_lock_denied(policy.evaluate(rdma_pod(caps=None)))  # securityContext without capabilities
+    assert _ipc_lock_denied(policy.evaluate(rdma_pod(security_context=False)))  # no securityContext at all
+
+
+def test_missing_host_network_field_is_not_host_network(switch_off: Policy) -> None:
+    messages = switch_off.evaluate(rdma_pod(host_network=None))
+    assert _hostnetwork_denied(messages) and not _ipc_lock_denied(messages)
+
+
+def test_no_security_context_and_no_host_network_gives_both_messages(switch_off: Policy) -> None:
+    messages = switch_off.evaluate(rdma_pod(host_network=False, security_context=False))
+    assert messages is not None and len(messages) == 2
+    assert _hostnetwork_denied(messages) and _ipc_lock_denied(messages)
+
+
+def test_rdma_in_requests_only_is_caught(switch_off: Policy) -> None:
+    assert _hostnetwork_denied(switch_off.evaluate(rdma_pod(host_network=False, where="requests")))
+    assert _ipc_lock_denied(switch_off.evaluate(rdma_pod(where="requests", caps=[])))
+    assert switch_off.evaluate(rdma_pod(where="requests")) == []
+
+
+def test_init_container_requesting_rdma_needs_ipc_lock(switch_off: Policy) -> None:
+    pod = rdma_pod()
+    pod["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 8}}
+    pod["spec"]["initContainers"] = [{"name": "warmup", "image": "img", "resources": {"limits": {"rdma/hca": 1}}}]
+    assert _ipc_lock_denied(switch_off.evaluate(pod))
+    pod["spec"]["initContainers"][0]["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert switch_off.evaluate(pod) == []
+    pod["spec"]["hostNetwork"] = False
+    assert _hostnetwork_denied(switch_off.evaluate(pod))
+
+
+def test_only_the_requesting_container_needs_ipc_lock(switch_off: Policy) -> None:
+    pod = rdma_pod()
+    pod["spec"]["containers"].append({"name": "sidecar", "image": "img"})
+    assert switch_off.evaluate(pod) == []
+
+
+def test_cap_prefix_and_privileged_satisfy_ipc_lock(switch_off: Policy) -> None:
+    assert switch_off.evaluate(rdma_pod(caps=["CAP_IPC_LOCK"])) == []
+    pod = rdma_pod(caps=None)
+    pod["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+    assert switch_off.evaluate(pod) == []
+
+
+@pytest.mark.parametrize("policy_name", ["switch_off", "switch_on"])
+def test_non_rdma_pods_are_not_evaluated(policy_name: str, request: pytest.FixtureRequest) -> None:
+    policy: Policy = request.getfixturevalue(policy_name)
+    plain = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web"}, "spec": {"containers": [{"name": "web", "image": "nginx"}]}}
+    assert policy.evaluate(plain) is None
+    gpu_only = rdma_pod(host_network=False, security_context=False, resource="nvidia.com/gpu")
+    assert policy.evaluate(gpu_only) is None
+
+
+def test_plugin_pods_are_never_evaluated(switch_off: Policy) -> None:
+    for ds in daemonsets({}).values():
+        pod = {"apiVersion": "v1", "kind": "Pod", **copy.deepcopy(ds["spec"]["template"])}
+        assert switch_off.evaluate(pod, namespace=NAMESPACE) is None
+        # excluded by the first condition even if it requested RDMA
+        pod["spec"]["containers"][0]["resources"] = {"limits": {"rdma/hca": 1}}
+        assert switch_off.evaluate(pod, namespace=NAMESPACE) is None
+        # ...but the same labels in another namespace buy nothing
+        assert switch_off.evaluate(pod, namespace="team-a")
+
+
+@pytest.mark.parametrize("case", ["defaults", "non-hostnetwork"])
+def test_helm_test_pod_passes_the_policy(case: str) -> None:
+    policy = Policy(CASES[case])
+    pod = one(manifests(CASES[case]), "Pod", "-test-allocation")
+    assert policy.evaluate(pod, namespace=NAMESPACE) == []
+
+
+def test_update_of_a_pod_that_already_held_rdma_is_not_blocked(switch_off: Policy) -> None:
+    bad = rdma_pod(host_network=False, caps=[])
+    assert switch_off.evaluate(bad, operation="CREATE")
+    # e.g. the Job controller removing its finalizer from a pod created before the policy
+    updated = copy.deepcopy(bad)
+    updated["metadata"]["finalizers"] = []
+    assert switch_off.evaluate(updated, operation="UPDATE", old=bad) is None
+    # an update that would newly add an RDMA request is validated
+    before = rdma_pod(host_network=False, caps=[], resource="nvidia.com/gpu")
+    assert _hostnetwork_denied(switch_off.evaluate(bad, operation="UPDATE", old=before))
+
+
+def test_extra_resources_are_covered() -> None:
+    policy = Policy(CASES["extra-resources"])
+    for resource in ("rdma/hca_roce", "rdma/hca_ib", "example.com/bond0"):
+        assert _hostnetwork_denied(policy.evaluate(rdma_pod(host_network=False, resource=resource)))
+        assert policy.evaluate(rdma_pod(resource=resource)) == []
+    assert policy.evaluate(rdma_pod(host_network=False, resource="rdma/hca")) is None  # not this release's resource
+
+
+def test_binding_and_policy_shape(switch_off: Policy) -> None:
+    spec = switch_off.policy["spec"]
+    assert switch_off.binding["spec"] == {"policyName": switch_off.policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert rule == {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"], "resources": ["pods"]}
+    assert RELEASE in spec["matchConditions"][0]["expression"]
+    assert all("\n" not in v["message"] for v in spec["validations"])  # Kubernetes rejects line breaks
+    warn = Policy(CASES["policy-warn-audit"])
+    assert warn.binding["spec"]["validationActions"] == ["Warn", "Audit"]
+    assert warn.policy["spec"]["failurePolicy"] == "Ignore"
+
+
+def test_policy_off_renders_nothing() -> None:
+    objs = manifests(CASES["policy-off"])
+    assert not by_kind(objs, "ValidatingAdmissionPolicy") and not by_kind(objs, "ValidatingAdmissionPolicyBinding")

@@ -1,0 +1,286 @@
+"""Render the values matrix with the real Helm engine; validate every object against the Kubernetes
+schemas of every minor the chart supports; lint strictly; check the shape of what was rendered."""
+
+from __future__ import annotations
+
+import hashlib
+
+import helm_python
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import CASES, CHART_DIR, NAMESPACE, by_kind, daemonsets, kube_minor_versions, manifests, one, render
+
+KUBE_VERSIONS = kube_minor_versions()
+# prometheus-operator CRD: kubernetes-validate has no schema for it (only warns); checked by hand below.
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+
+def test_kube_versions_cover_declared_range() -> None:
+    assert KUBE_VERSIONS[0] == "1.30.0"
+    assert len(KUBE_VERSIONS) >= 2
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_manifest_valid_for_every_supported_kubernetes(case: str) -> None:
+    objs = manifests(CASES[case])
+    assert objs
+    checked = 0
+    for obj in objs:
+        if (obj["apiVersion"], obj["kind"]) in CUSTOM_KINDS:
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{case}: {obj['kind']}/{obj['metadata']['name']} invalid for {version}: {exc.message} at {list(exc.path)}")
+            checked += 1
+    assert checked >= 6 * len(KUBE_VERSIONS)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lint_strict_is_clean(case: str) -> None:
+    for version in (KUBE_VERSIONS[0], KUBE_VERSIONS[-1]):
+        report = helm_python.lint(str(CHART_DIR), CASES[case], strict=True, kube_version=f"v{version}")
+        assert report["errors"] == [], report
+        # severity 1 (info) is only "icon is recommended": the chart has no icon to point at
+        assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+def test_lint_reports_schema_violation() -> None:
+    """The lint check above can fail: lint sees schema errors."""
+    report = helm_python.lint(str(CHART_DIR), {"mode": "both"}, strict=True)
+    assert any("mode" in e for e in report["errors"]) or any(m["severity"] >= 2 and "mode" in m["error"] for m in report["messages"])
+
+
+def test_service_monitor_shape() -> None:
+    objs = manifests(CASES["metrics"])
+    sm = one(objs, "ServiceMonitor")
+    svc = one(objs, "Service", "-metrics")
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert set(sm["spec"]["selector"]["matchLabels"].items()) <= set(svc["metadata"]["labels"].items())
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["ports"][0]["port"] == 9500
+    # the Service selects the plugin pods of both modes
+    for ds in daemonsets(CASES["metrics"]).values():
+        pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+        assert set(svc["spec"]["selector"].items()) <= set(pod_labels.items())
+        container = ds["spec"]["template"]["spec"]["containers"][0]
+        assert container["ports"] == [{"name": "metrics", "containerPort": 9500, "protocol": "TCP"}]
+        assert "0.0.0.0:9500" in container["args"]
+
+
+def test_metrics_off_renders_no_service_or_port() -> None:
+    objs = manifests({})
+    assert not by_kind(objs, "Service") and not by_kind(objs, "ServiceMonitor")
+    for ds in daemonsets({}).values():
+        container = ds["spec"]["template"]["spec"]["containers"][0]
+        assert "ports" not in container and "--metrics-address" not in container["args"]
+
+
+def test_two_daemonsets_two_configmaps_and_no_rbac() -> None:
+    objs = manifests({})
+    kinds = sorted(o["kind"] for o in objs)
+    assert kinds.count("DaemonSet") == 2 and kinds.count("ConfigMap") == 2
+    assert not [k for k in kinds if k in {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}]
+    sa = one(objs, "ServiceAccount")
+    assert sa["automountServiceAccountToken"] is False
+    for mode, ds in daemonsets({}).items():
+        assert ds["metadata"]["name"] == f"rdma-rdma-device-plugin-{mode}"
+        pod = ds["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == sa["metadata"]["name"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert pod["priorityClassName"] == "system-node-critical"
+        assert pod["tolerations"] == [{"operator": "Exists"}]
+        (cm_volume,) = [v for v in pod["volumes"] if v["name"] == "config"]
+        assert cm_volume["configMap"]["name"] == f"rdma-rdma-device-plugin-{mode}"
+        assert ds["spec"]["selector"]["matchLabels"]["rdma.lingjun.io/mode"] == mode
+
+
+def _args(container: dict) -> dict[str, str]:
+    args = container["args"]
+    assert args[0] == "serve"
+    return {args[i]: args[i + 1] for i in range(1, len(args), 2)}
+
+
+@pytest.mark.parametrize(
+    "case,host_dir",
+    [
+        ("defaults", "/var/lib/kubelet/device-plugins"),
+        ("k3s", "/var/lib/rancher/k3s/agent/kubelet/device-plugins"),
+        ("microk8s", "/var/snap/microk8s/common/var/lib/kubelet/device-plugins"),
+    ],
+)
+def test_kubelet_dir_and_mounts(case: str, host_dir: str) -> None:
+    for ds in daemonsets(CASES[case]).values():
+        pod = ds["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert volumes["device-plugins"]["hostPath"] == {"path": host_dir, "type": "Directory"}
+        # inside the container the path is fixed and passed to the plugin
+        assert mounts["/var/lib/kubelet/device-plugins"]["name"] == "device-plugins"
+        assert not mounts["/var/lib/kubelet/device-plugins"].get("readOnly", False)
+        args = _args(container)
+        assert args["--device-plugin-dir"] == "/var/lib/kubelet/device-plugins"
+        assert args["--config"] == "/etc/rdma-device-plugin/config.yaml"
+        assert args["--sysfs-root"] == "/host/sys" and args["--dev-root"] == "/host/dev"
+        assert args["--procfs-root"] == "/proc"
+        # every other mount is read-only: sysfs pieces and /dev, nothing else
+        rw = sorted(p for p, m in mounts.items() if not m.get("readOnly"))
+        assert rw == ["/var/lib/kubelet/device-plugins"]
+        assert sorted(p for p in mounts if p.startswith("/host/sys/")) == [
+            "/host/sys/bus", "/host/sys/class", "/host/sys/devices", "/host/sys/module"
+        ]
+        for name, vol in volumes.items():
+            if name.startswith("sys-"):
+                assert vol["hostPath"]["path"] == "/sys/" + name[4:]
+        assert volumes["dev"]["hostPath"]["path"] == "/dev" and mounts["/host/dev"]["readOnly"] is True
+        assert "--cdi-dir" not in args and "/var/run/cdi" not in mounts
+
+
+def test_cdi_mount_only_when_enabled() -> None:
+    for ds in daemonsets(CASES["cdi"]).values():
+        pod = ds["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert _args(container)["--cdi-dir"] == "/var/run/cdi"
+        assert mounts["/var/run/cdi"]["name"] == "cdi" and not mounts["/var/run/cdi"].get("readOnly")
+        assert volumes["cdi"]["hostPath"] == {"path": "/etc/cdi", "type": "DirectoryOrCreate"}
+
+
+def test_least_privilege_security_context() -> None:
+    for ds in daemonsets({}).values():
+        sc = ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+        assert sc["privileged"] is False
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert sc["runAsUser"] == 0  # to create the socket in the root-owned device-plugins dir
+
+
+def test_privileged_only_when_asked_and_stays_valid() -> None:
+    for ds in daemonsets(CASES["exclusive-switch-on-everything"]).values():
+        sc = ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+        assert sc["privileged"] is True
+        assert "allowPrivilegeEscalation" not in sc  # Kubernetes rejects it false next to privileged
+
+
+def test_security_context_overrides_merge() -> None:
+    values = {"securityContext": {"seccompProfile": {"type": "Localhost", "localhostProfile": "rdma.json"}}}
+    for ds in daemonsets(values).values():
+        sc = ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+        assert sc["seccompProfile"] == {"type": "Localhost", "localhostProfile": "rdma.json"}
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_everything_case_wiring() -> None:
+    values = CASES["exclusive-switch-on-everything"]
+    objs = manifests(values)
+    assert not by_kind(objs, "ServiceAccount")
+    assert not [o for o in by_kind(objs, "Pod")]  # test.enabled=false
+    for ds in daemonsets(values).values():
+        pod = ds["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert pod["serviceAccountName"] == "existing"
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+        assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+        assert container["image"] == "127.0.0.1:5000/rdma-device-plugin:dev"
+        assert container["imagePullPolicy"] == "Always"
+        assert container["env"] == [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+        assert _args(container)["--log-level"] == "debug" and _args(container)["--log-format"] == "json"
+        assert ds["spec"]["template"]["metadata"]["annotations"]["example.com/a"] == "b"
+
+
+def test_image_tag_defaults_to_app_version() -> None:
+    chart_yaml = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    assert chart_yaml["appVersion"] == "0.1.0" and chart_yaml["version"] == "0.1.0"
+    for ds in daemonsets({}).values():
+        assert ds["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.1.0")
+
+
+# ------------------------------------------------------------------ helm test pod
+
+
+@pytest.mark.parametrize("case,host_network", [("defaults", True), ("non-hostnetwork", False), ("extra-resources", True)])
+def test_helm_test_pod(case: str, host_network: bool) -> None:
+    values = CASES[case]
+    pod = one(manifests(values), "Pod", "-test-allocation")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    spec = pod["spec"]
+    assert spec["hostNetwork"] is host_network
+    assert spec["restartPolicy"] == "Never"
+    container = spec["containers"][0]
+    resource = values.get("resourceName", "rdma/hca")
+    assert container["resources"]["limits"] == {resource: 1}
+    assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+    script = container["command"][-1]
+    for needle in ("/dev/infiniband/uverbs*", "/dev/infiniband/rdma_cm", "RDMA_DEVICES"):
+        assert needle in script
+
+
+# ------------------------------------------------------------------ checksum
+
+
+def _checksums(values: dict) -> dict[str, str]:
+    return {m: ds["spec"]["template"]["metadata"]["annotations"]["checksum/config"] for m, ds in daemonsets(values).items()}
+
+
+def test_checksum_is_the_hash_of_the_mounted_config() -> None:
+    objs = manifests({})
+    for mode, checksum in _checksums({}).items():
+        cm = one(objs, "ConfigMap", f"-{mode}")
+        text = cm["data"]["config.yaml"]
+        assert hashlib.sha256(text.rstrip("\n").encode()).hexdigest() == checksum
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"sharedDevices": 999},
+        {"nonHostNetwork": {"enabled": True}},
+        {"selectors": {"drivers": ["mlx5_core"]}},
+        {"health": {"policy": "any"}},
+        {"cdi": {"enabled": True}},
+        {"resourceName": "rdma/hca2"},
+    ],
+)
+def test_checksum_changes_with_config(change: dict) -> None:
+    base, changed = _checksums({}), _checksums(change)
+    assert base["shared"] != changed["shared"] and base["exclusive"] != changed["exclusive"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"image": {"tag": "0.2.0"}},
+        {"logLevel": "debug"},
+        {"resources": {"limits": {"memory": "1Gi"}}},
+        {"metrics": {"enabled": True}},
+        {"tolerations": []},
+        {"admissionPolicy": {"enabled": False}},
+        {"kubeletDir": "/var/lib/rancher/k3s/agent/kubelet"},
+    ],
+)
+def test_checksum_stable_without_config_change(change: dict) -> None:
+    assert _checksums(change) == _checksums({})
+
+
+def test_shared_and_exclusive_checksums_differ() -> None:
+    sums = _checksums({})
+    assert sums["shared"] != sums["exclusive"]
+
+
+def test_notes_mention_checks() -> None:
+    notes = render({})["rdma-device-plugin/templates/NOTES.txt"]
+    assert "kubectl get node <node-name> -o yaml" in notes
+    assert "rdma/hca: 1k" in notes
+    assert "rdma.lingjun.io/mode=exclusive" in notes
+    assert "hostNetwork: true" in notes
+    notes_on = render(CASES["non-hostnetwork"])["rdma-device-plugin/templates/NOTES.txt"]
+    assert "nonHostNetwork.enabled=true" in notes_on

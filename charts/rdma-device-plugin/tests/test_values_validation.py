@@ -1,0 +1,154 @@
+"""Bad values: values.schema.json (types, enums, ranges, unknown keys, resource names) and the one
+collected `fail` of templates/_validate.tpl (combinations), asserted on their messages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import helm_python
+import jsonschema
+import pytest
+from conftest import CHART_DIR, NAMESPACE, RELEASE, render
+from rdma_device_plugin.config import resource_name_problem
+
+SCHEMA = json.loads((CHART_DIR / "values.schema.json").read_text())
+
+
+def render_error(values: dict, chart: helm_python.Chart | None = None) -> str:
+    with pytest.raises(helm_python.HelmError) as info:
+        if chart is None:
+            render(values)
+        else:
+            chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"mode": "both"}, "at '/mode': value must be one of 'shared', 'exclusive'"),
+        ({"sharedDevices": 0}, "at '/sharedDevices': minimum"),
+        ({"sharedDevices": 100001}, "at '/sharedDevices': maximum"),
+        ({"sharedDevices": "1000"}, "at '/sharedDevices': got string, want integer"),
+        ({"resourceName": "hca"}, "at '/resourceName'"),
+        ({"resourceName": "kubernetes.io/hca"}, "at '/resourceName'"),
+        ({"extraResources": [{"name": "rdma/ib", "shared": 1}]}, "additional properties 'shared' not allowed"),
+        ({"bogus": True}, "additional properties 'bogus' not allowed"),
+        ({"metrics": {"enabled": "yes"}}, "at '/metrics/enabled': got string, want boolean"),
+        ({"metrics": {"port": 70000}}, "at '/metrics/port': maximum"),
+        ({"admissionPolicy": {"validationActions": ["Reject"]}}, "at '/admissionPolicy/validationActions/0'"),
+        ({"admissionPolicy": {"validationActions": []}}, "at '/admissionPolicy/validationActions'"),
+        ({"selectors": {"deviceIDs": [1021]}}, "at '/selectors/deviceIDs/0': got number, want string"),
+        ({"selectors": {"linkTypes": ["RoCE"]}}, "at '/selectors/linkTypes/0'"),
+        ({"nonHostNetwork": {"checks": "strict"}}, "at '/nonHostNetwork/checks'"),
+        ({"env": {"1BAD": "x"}}, "invalid propertyName '1BAD'"),
+        ({"kubeletDir": "var/lib/kubelet"}, "at '/kubeletDir'"),
+        ({"health": {"intervalSeconds": 0}}, "at '/health/intervalSeconds'"),
+    ],
+)
+def test_schema_rejects(values: dict, needle: str) -> None:
+    message = render_error(values)
+    assert "don't meet the specifications of the schema" in message
+    assert needle in message
+
+
+RESOURCE_NAMES = [
+    "rdma/hca", "rdma/hca_ib", "example.com/Hca-1.x", "a/b", "kubernetes.io/hca", "rdma.kubernetes.io/hca",
+    "requests.rdma/hca", "Rdma/hca", "rdma", "rdma/hca/x", "rdma/-hca", "rdma/hca-", "-rdma/hca",
+    "rdma/" + "h" * 63, "rdma/" + "h" * 64, "r" * 253 + "/hca", "r" * 254 + "/hca", "rdma..x/hca",
+]
+
+
+@pytest.mark.parametrize("name", RESOURCE_NAMES)
+def test_schema_resource_name_agrees_with_the_plugin(name: str) -> None:
+    validator = jsonschema.Draft202012Validator(SCHEMA["properties"]["resourceName"])
+    assert validator.is_valid(name) == (resource_name_problem(name) is None), resource_name_problem(name)
+
+
+def test_schema_has_a_description_per_key() -> None:
+    missing = []
+
+    def walk(node: dict, path: str) -> None:
+        for key, sub in node.get("properties", {}).items():
+            if "description" not in sub:
+                missing.append(f"{path}.{key}")
+            walk(sub, f"{path}.{key}")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], path + "[]")
+
+    walk(SCHEMA, "")
+    assert missing == []
+    assert SCHEMA["additionalProperties"] is False
+
+
+def test_defaults_pass_the_schema(chart: helm_python.Chart) -> None:
+    chart.validate_schema({})
+    jsonschema.Draft202012Validator(SCHEMA).validate(chart.values)
+
+
+def test_combinations_collected_into_one_fail() -> None:
+    message = render_error(
+        {
+            "metrics": {"serviceMonitor": {"enabled": True}},
+            "admissionPolicy": {"validationActions": ["Deny", "Warn"]},
+            "extraResources": [{"name": "rdma/ib"}, {"name": "rdma/hca"}, {"name": "rdma/ib"}],
+            "privileged": True,
+            "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True},
+        }
+    )
+    assert "rdma-device-plugin: 6 problem(s) in the values" in message
+    assert "metrics.serviceMonitor.enabled=true needs metrics.enabled=true" in message
+    assert "Deny and Warn together are rejected by Kubernetes" in message
+    assert 'extraResources[1]: resource name "rdma/hca" is already used by resourceName/sharedDevices' in message
+    assert 'extraResources[2]: resource name "rdma/ib" is already used by extraResources[0]' in message
+    assert "privileged=true with securityContext.allowPrivilegeEscalation=false is rejected" in message
+    assert "securityContext.runAsNonRoot=true cannot work" in message
+    # each line says how to fix it
+    assert message.count("\n  - ") == 6
+
+
+def test_single_combination() -> None:
+    message = render_error({"metrics": {"serviceMonitor": {"enabled": True}}})
+    assert "1 problem(s)" in message and "set metrics.enabled=true or metrics.serviceMonitor.enabled=false" in message
+
+
+def test_deny_and_warn_fine_when_policy_off() -> None:
+    render({"admissionPolicy": {"enabled": False, "validationActions": ["Deny", "Warn"]}})
+
+
+@pytest.fixture(scope="module")
+def schemaless_chart(tmp_path_factory: pytest.TempPathFactory) -> helm_python.Chart:
+    """The chart without values.schema.json, as with --skip-schema-validation: _validate.tpl alone."""
+    dest = Path(tmp_path_factory.mktemp("chart")) / "rdma-device-plugin"
+    shutil.copytree(CHART_DIR, dest, ignore=shutil.ignore_patterns("tests", "__pycache__"))
+    (dest / "values.schema.json").unlink()
+    return helm_python.Chart.load(str(dest))
+
+
+def test_ranges_checked_without_the_schema(schemaless_chart: helm_python.Chart) -> None:
+    message = render_error(
+        {
+            "mode": "both",
+            "sharedDevices": 0,
+            "extraResources": [{"name": "rdma/ib", "sharedDevices": 100001}, {"name": "example.kubernetes.io/x"}],
+            "metrics": {"port": 70000},
+            "kubeletDir": "var/lib/kubelet",
+            "admissionPolicy": {"validationActions": ["Deny", "Deny"]},
+        },
+        schemaless_chart,
+    )
+    assert "7 problem(s)" in message
+    assert "mode=both: use shared or exclusive" in message
+    assert "resourceName/sharedDevices: sharedDevices=0 is out of range; use a whole number from 1 to 100000" in message
+    assert "extraResources[0]: sharedDevices=100001 is out of range" in message
+    assert 'extraResources[1]: resource name "example.kubernetes.io/x" uses the reserved kubernetes.io domain' in message
+    assert "metrics.port=70000" in message
+    assert 'kubeletDir="var/lib/kubelet" must be an absolute path' in message
+    assert "lists an action twice" in message
+
+
+def test_schemaless_chart_still_renders_good_values(schemaless_chart: helm_python.Chart) -> None:
+    out = schemaless_chart.render({}, name=RELEASE, namespace=NAMESPACE)
+    assert any(path.endswith("daemonset.yaml") for path in out)
