@@ -1,0 +1,208 @@
+#!/usr/bin/python
+"""Ansible module: read a node's RDMA NICs and IPv6 compute network (read-only)."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: rdma_node_info
+short_description: Read a node's RDMA NICs, kernel modules and IPv6 compute network
+description:
+  - Reads sysfs, procfs and /dev through the project's one reader
+    (C(rdma_device_plugin.node), shipped to the node as the C(rdma_node) module_utils
+    package), applies the device plugin's NIC selectors and returns plain data.
+  - Never changes the node. Supports check mode and always reports C(changed=false).
+  - The roots are parameters so tests can point them at kernel-shaped fixture trees.
+version_added: "0.1.0"
+author: rdma-device-plugin maintainers
+options:
+  sysfs_root:
+    description: Where sysfs is mounted.
+    type: path
+    default: /sys
+  procfs_root:
+    description: Where procfs is mounted.
+    type: path
+    default: /proc
+  dev_root:
+    description: Where /dev is.
+    type: path
+    default: /dev
+  selectors:
+    description:
+      - The plugin config's selectors (keys C(vendors), C(deviceIDs), C(drivers),
+        C(ifNames), C(rdmaDevices), C(linkTypes)). Every non-empty key must match.
+      - RDMA devices not selected are listed under C(ignored) and not read further.
+    type: dict
+    default: {vendors: ['15b3']}
+  modules:
+    description: Kernel modules whose presence under C(<sysfs_root>/module) is reported.
+    type: list
+    elements: str
+    default: [mlx5_core, mlx5_ib, ib_core, ib_uverbs, rdma_ucm]
+  version_module:
+    description: Module whose C(version) file is the driver (OFED) version.
+    type: str
+    default: mlx5_core
+"""
+
+EXAMPLES = r"""
+- name: Read the RDMA NICs of a node
+  rdma_node_info:
+    selectors: {vendors: ['15b3'], linkTypes: [Ethernet]}
+  register: rdma
+
+- name: Read a fixture node
+  rdma_node_info:
+    sysfs_root: /tmp/node0/sys
+    procfs_root: /tmp/node0/proc
+    dev_root: /tmp/node0/dev
+"""
+
+RETURN = r"""
+node:
+  description: What the node shows.
+  returned: always
+  type: dict
+  contains:
+    nics:
+      description: >-
+        Selected RDMA devices as the reader's C(Nic.to_dict()), plus C(compute_netdevs)
+        (netdevs that own the NIC's GIDs, i.e. carry its IP; the bond for a RoCE LAG),
+        C(all_ports_active) and per port C(active) and C(rate_gbps).
+      type: list
+      elements: dict
+    ignored:
+      description: RDMA devices that the selectors do not select (name, vendor, device_id, driver).
+      type: list
+      elements: dict
+    modules:
+      description: Kernel module name -> loaded.
+      type: dict
+    driver_version:
+      description: Contents of C(/sys/module/<version_module>/version), null when absent.
+      type: str
+    netns_mode:
+      description: RDMA subsystem netns mode, C(shared), C(exclusive) or null when unknown.
+      type: str
+    rdma_cm:
+      description: The node-wide C(/dev/infiniband/rdma_cm) (name, path, present).
+      type: dict
+    ipv6:
+      description: >-
+        Per compute netdev: C(disabled) (null when unknown), C(addresses) (global ones, each
+        with C(gid) and C(roce_v2_gid_index), null when no RoCE v2 GID carries it) and
+        C(routes) through the netdev (link-local and host routes excluded).
+      type: dict
+"""
+
+from typing import Any
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.rdma_node import procfs, selectors, sysfs
+
+
+def _compute_netdevs(nic: sysfs.Nic) -> list[str]:
+    """Netdevs that own the NIC's GIDs (they carry its IP); the first netdev when none do."""
+    owners: list[str] = []
+    for port in nic.ports:
+        for gid in port.gids:
+            if gid.ndev and gid.ndev not in owners:
+                owners.append(gid.ndev)
+    if not owners and nic.netdevs:
+        owners.append(nic.netdevs[0])
+    return owners
+
+
+def _nic_data(nic: sysfs.Nic) -> dict[str, Any]:
+    data = nic.to_dict()
+    ports = data["ports"]
+    assert isinstance(ports, list)
+    for port_obj, port in zip(nic.ports, ports):
+        port["active"] = port_obj.active
+        port["rate_gbps"] = port_obj.rate_gbps
+    data["link_layers"] = list(nic.link_layers)
+    data["all_ports_active"] = nic.all_ports_active
+    data["compute_netdevs"] = _compute_netdevs(nic)
+    return data
+
+
+def _ipv6(procfs_root: str, netdev: str, nics: list[sysfs.Nic]) -> dict[str, Any]:
+    roce_v2 = {}
+    for nic in nics:
+        for port in nic.ports:
+            for gid in port.gids:
+                if gid.type == "RoCE v2" and gid.is_ipv6 and gid.ndev in ("", netdev):
+                    roce_v2.setdefault(gid.gid, gid.index)
+    addresses = [
+        {
+            "address": a.address,
+            "prefix_len": a.prefix_len,
+            "gid": a.gid,
+            "roce_v2_gid_index": roce_v2.get(a.gid),
+        }
+        for a in procfs.global_addresses(procfs_root, netdev)
+    ]
+    routes = [
+        {"destination": r.destination, "prefix_len": r.prefix_len, "next_hop": r.next_hop}
+        for r in procfs.routes_via(procfs_root, netdev)
+    ]
+    return {
+        "disabled": procfs.ipv6_disabled(procfs_root, netdev),
+        "addresses": addresses,
+        "routes": routes,
+    }
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "sysfs_root": {"type": "path", "default": "/sys"},
+            "procfs_root": {"type": "path", "default": "/proc"},
+            "dev_root": {"type": "path", "default": "/dev"},
+            "selectors": {"type": "dict", "default": {"vendors": ["15b3"]}},
+            "modules": {
+                "type": "list",
+                "elements": "str",
+                "default": ["mlx5_core", "mlx5_ib", "ib_core", "ib_uverbs", "rdma_ucm"],
+            },
+            "version_module": {"type": "str", "default": "mlx5_core"},
+        },
+        supports_check_mode=True,
+    )
+    p = module.params
+    try:
+        chosen = selectors.Selectors.from_mapping(p["selectors"] or {})
+    except (TypeError, ValueError) as exc:
+        module.fail_json(msg=f"invalid selectors: {exc}")
+    nics = sysfs.read_nics(p["sysfs_root"], p["dev_root"])
+    selected = chosen.select(nics)
+    names = {n.name for n in selected}
+    compute: dict[str, list[sysfs.Nic]] = {}
+    for nic in selected:
+        for netdev in _compute_netdevs(nic):
+            compute.setdefault(netdev, []).append(nic)
+    cm = sysfs.rdma_cm(p["dev_root"])
+    module.exit_json(
+        changed=False,
+        node={
+            "sysfs_root": p["sysfs_root"],
+            "procfs_root": p["procfs_root"],
+            "dev_root": p["dev_root"],
+            "nics": [_nic_data(n) for n in selected],
+            "ignored": [
+                {"name": n.name, "vendor": n.vendor, "device_id": n.device_id, "driver": n.driver}
+                for n in nics
+                if n.name not in names
+            ],
+            "modules": sysfs.loaded_modules(p["sysfs_root"], p["modules"]),
+            "driver_version": sysfs.module_version(p["sysfs_root"], p["version_module"]),
+            "netns_mode": sysfs.netns_mode(p["sysfs_root"]),
+            "rdma_cm": {"name": cm.name, "path": cm.node_path, "present": cm.present},
+            "ipv6": {netdev: _ipv6(p["procfs_root"], netdev, owners) for netdev, owners in compute.items()},
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
