@@ -41,9 +41,9 @@ def resource_name_problem(name: str) -> str | None:
         return "must not use the kubernetes.io domain"
     if name.startswith("requests."):
         return "must not start with 'requests.'"
-    if len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix):
+    if len(prefix) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(prefix):
         return f"domain {prefix!r} must be a lowercase DNS-1123 subdomain, e.g. rdma"
-    if len(short) > 63 or not _QUALIFIED_NAME.match(short):
+    if len(short) > 63 or not _QUALIFIED_NAME.fullmatch(short):
         return f"name {short!r} must be 1-63 alphanumerics, '-', '_' or '.', starting and ending alphanumeric"
     return None
 
@@ -70,7 +70,7 @@ class SelectorsConfig(_Strict):
     @classmethod
     def _hex_ids(cls, values: list[str]) -> list[str]:
         for v in values:
-            if not _HEX_ID.match(v):
+            if not _HEX_ID.fullmatch(v):
                 raise ValueError(f"{v!r} is not a 4-digit hex PCI ID (write it like 15b3 or 0x15b3)")
         return [v.lower().removeprefix("0x") for v in values]
 
@@ -145,7 +145,7 @@ class CdiConfig(_Strict):
     @field_validator("kind")
     @classmethod
     def _kind(cls, value: str) -> str:
-        if not _CDI_KIND.match(value):
+        if not _CDI_KIND.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a CDI kind; write it as <vendor domain>/<class>, e.g. rdma.lingjun.io/hca"
             )
@@ -154,7 +154,7 @@ class CdiConfig(_Strict):
 
 def _check_env(value: dict[str, str]) -> dict[str, str]:
     for name in value:
-        if not _ENV_NAME.match(name):
+        if not _ENV_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not a valid environment variable name")
     return value
 
@@ -245,6 +245,13 @@ def load_config_text(text: str, source: str = "<text>") -> PluginConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"invalid config {source}: not valid YAML: {exc}") from None
+    except (ValueError, AttributeError, TypeError, RecursionError) as exc:
+        # PyYAML's constructors raise these for values such as "2001-13-45" or "!!timestamp x",
+        # and its composer recurses on deep nesting.
+        raise ConfigError(
+            f"invalid config {source}: a YAML value cannot be read ({type(exc).__name__}: {exc}); "
+            "quote dates and tagged values, and avoid deep nesting"
+        ) from None
     return load_config_data(data, source)
 
 

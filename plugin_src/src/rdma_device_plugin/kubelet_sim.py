@@ -153,7 +153,9 @@ class KubeletSimulator:
             self.rejections.append(f"endpoint {request.endpoint}")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "endpoint must be a file name in the device-plugin dir")
         path = os.path.join(self.dir, request.endpoint)
-        channel = grpc.insecure_channel(f"unix://{path}")
+        # The kubelet is its own process: never share a subchannel (and its reconnect
+        # backoff after the socket vanished) with other clients living in this process.
+        channel = grpc.insecure_channel(f"unix://{path}", options=[("grpc.use_local_subchannel_pool", 1)])
         try:
             grpc.channel_ready_future(channel).result(timeout=10)
             stub = pb_grpc.DevicePluginStub(channel)

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from . import cdi, netchecks
 from .config import PluginConfig, ResourceConfig
 from .node.selectors import Selectors
 from .node.sysfs import ACTIVE_STATES, CharDevice, Nic
@@ -48,6 +49,7 @@ class ContainerAllocation:
     devices: tuple[DeviceSpec, ...]
     envs: dict[str, str]
     nics: tuple[str, ...]  # RDMA device names handed out
+    cdi_devices: tuple[str, ...] = ()  # fully-qualified CDI names (cdi.enabled); then devices is empty
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,12 @@ class ResourcePool:
         self.policy = config.health.policy
         self.selectors: Selectors = resource.selectors.to_selectors()
         self.extra_env = dict(config.env)
+        self.non_host_network = config.non_host_network.enabled
         if config.non_host_network.enabled:
             self.extra_env.update(config.non_host_network.env)
+        self.cdi_kind = (
+            cdi.resource_kind(config.cdi.kind, resource.name, len(config.resources)) if config.cdi.enabled else None
+        )
         self.with_umad = config.char_devices.umad
         self.with_issm = config.char_devices.issm
         self._lock = threading.Condition()
@@ -161,6 +167,11 @@ class ResourcePool:
             self._lock.wait_for(lambda: self._version != version or self._closed, timeout)
             return self._version, self._devices, self._closed
 
+    def present_nics(self) -> list[Nic]:
+        """Selected NICs currently on the node, by RDMA device name."""
+        with self._lock:
+            return [self._nics[n] for n in sorted(self._nics)]
+
     def nic_summary(self) -> list[dict[str, object]]:
         with self._lock:
             return [
@@ -210,7 +221,10 @@ class ResourcePool:
         specs = [DeviceSpec(c.node_path, c.node_path) for c in chars]
         specs.append(DeviceSpec(RDMA_CM_PATH, RDMA_CM_PATH))
         names = tuple(n.name for n in nics)
-        envs = {**self.extra_env, "RDMA_DEVICES": ",".join(names)}
+        defaults = netchecks.default_env(names) if self.non_host_network else {}
+        envs = {**defaults, **self.extra_env, "RDMA_DEVICES": ",".join(names)}
+        if self.cdi_kind is not None:
+            return ContainerAllocation((), envs, names, cdi.allocation_devices(self.cdi_kind, self.mode, nics))
         return ContainerAllocation(tuple(specs), envs, names)
 
     # ------------------------------------------------------------------ preferred allocation

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -39,6 +39,8 @@ def allocation_message(alloc: ContainerAllocation) -> Any:
     resp = pb.ContainerAllocateResponse(envs=alloc.envs)
     for spec in alloc.devices:
         resp.devices.add(container_path=spec.container_path, host_path=spec.host_path, permissions=spec.permissions)
+    for name in alloc.cdi_devices:
+        resp.cdi_devices.add(name=name)
     return resp
 
 
@@ -48,6 +50,14 @@ class Hooks:
     def allocated(self, resource: str, seconds: float, ok: bool) -> None: ...
 
     def registered(self, resource: str) -> None: ...
+
+    def kubelet_restarted(self) -> None: ...
+
+    def rediscovered(self) -> None: ...
+
+    def port_states(self, states: Mapping[str, tuple[str, ...] | None]) -> None: ...
+
+    def pools_ready(self, pools: Sequence[ResourcePool]) -> None: ...
 
 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]

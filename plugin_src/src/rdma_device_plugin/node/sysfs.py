@@ -38,6 +38,7 @@ PHYS_STATES = {
 }
 ACTIVE_STATES = frozenset({"ACTIVE", "ACTIVE_DEFER"})
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
+MAX_NUMA_NODES = 1024
 
 
 class SysfsError(Exception):
@@ -182,16 +183,22 @@ def _link_name(path: str) -> str:
 
 
 def _coded(value: str | None, names: dict[int, str]) -> str:
-    """Parse "4: ACTIVE" -> "ACTIVE"; unknown or garbage -> "UNKNOWN"."""
+    """Parse "4: ACTIVE" (or a bare "4") -> "ACTIVE".
+
+    The code is authoritative: a missing or non-numeric code, an unknown code, or a name
+    that contradicts the code (": ACTIVE", "1: ACTIVE") is garbage -> "UNKNOWN", so a
+    garbled attribute can never read as an active port.
+    """
     if not value:
         return "UNKNOWN"
-    code, sep, name = value.partition(":")
-    if sep and name.strip():
-        return name.strip()
-    try:
-        return names.get(int(code), "UNKNOWN")
-    except ValueError:
+    code, _, name = value.partition(":")
+    code, name = code.strip(), name.strip()
+    if not (code.isascii() and code.isdigit()):
         return "UNKNOWN"
+    known = names.get(int(code))
+    if known is None or (name and name != known):
+        return "UNKNOWN"
+    return known
 
 
 def _hex_id(value: str | None) -> str:
@@ -337,6 +344,9 @@ def read_nic(
         raise SysfsError(f"{pci_dir}/vendor is missing or empty")
     ports, problems = _read_ports(ibdev_dir)
     numa = _int_or_none(read_text(os.path.join(pci_dir, "numa_node")))
+    if numa is not None and numa >= MAX_NUMA_NODES:  # the kernel's MAX_NUMNODES is at most 1 << 10
+        problems.append(f"numa_node {numa} is out of range; reporting no NUMA affinity")
+        numa = None
     if uverbs is None:
         uverbs = _char_devices(sysfs_root, dev_root, "infiniband_verbs", "uverbs")
     if umad is None:

@@ -1,0 +1,135 @@
+"""Container Device Interface (CDI) specs for the selected NICs (``cdi.enabled``).
+
+One spec file per resource in ``--cdi-dir`` (default /var/run/cdi), ``cdiVersion``
+0.6.0, JSON, written atomically (temp file in the same dir + rename) and only when its
+content changes. With CDI on, Allocate answers with ``cdi_devices`` (fully-qualified
+``<kind>=<device>``) instead of device specs; envs are still returned.
+
+Naming:
+- kind: ``cdi.kind`` (default ``rdma.lingjun.io/hca``) when the config has one resource;
+  with several, each resource gets ``<cdi.kind>-<resource short name>`` so device names
+  never clash between spec files of the same kind.
+- file: ``<vendor>-<class>.json``, e.g. ``rdma.lingjun.io-hca.json``.
+- shared mode: one device ``all`` whose containerEdits hold every NIC's uverbs (plus
+  umad/issm when configured) and ``rdma_cm``.
+- exclusive mode: one device per NIC named after its RDMA device (``mlx5_bond_0``),
+  with that NIC's char devices; ``rdma_cm`` is in the spec-wide containerEdits.
+
+Lifecycle: the spec is refreshed whenever discovery sees the NIC set change (a NIC that
+vanished is dropped from it). It is deliberately KEPT on shutdown: running containers
+were created from it and a runtime may re-read it (container restart) while the plugin
+is being upgraded or restarted; a stale entry only names char devices the kubelet no
+longer hands out. Delete ``<cdi-dir>/<file>`` by hand when uninstalling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from .node.sysfs import NODE_DEV_DIR, RDMA_CM, CharDevice, Nic
+
+LOG = logging.getLogger(__name__)
+
+CDI_VERSION = "0.6.0"
+SHARED_DEVICE = "all"
+
+
+def resource_kind(base_kind: str, resource: str, resource_count: int) -> str:
+    if resource_count <= 1:
+        return base_kind
+    return f"{base_kind}-{resource.split('/', 1)[1]}"
+
+
+def spec_file_name(kind: str) -> str:
+    return kind.replace("/", "-") + ".json"
+
+
+def device_name(nic: Nic) -> str:
+    """CDI device name of a NIC in exclusive mode (RDMA device names are valid CDI names)."""
+    return nic.name
+
+
+def _chars(nic: Nic, umad: bool, issm: bool) -> list[CharDevice]:
+    chars: list[CharDevice] = [nic.uverbs] if nic.uverbs is not None and nic.uverbs.present else []
+    if umad:
+        chars.extend(c for c in nic.umad if c.present)
+    if issm:
+        chars.extend(c for c in nic.issm if c.present)
+    return chars
+
+
+def _node(path: str) -> dict[str, Any]:
+    return {"path": path, "hostPath": path, "type": "c", "permissions": "rw"}
+
+
+def build_spec(kind: str, mode: str, nics: Sequence[Nic], umad: bool = False, issm: bool = False) -> dict[str, Any]:
+    """The CDI spec (plain data) for one resource's present NICs."""
+    rdma_cm = _node(f"{NODE_DEV_DIR}/{RDMA_CM}")
+    usable = sorted((n for n in nics if n.uverbs is not None and n.uverbs.present), key=lambda n: n.name)
+    spec: dict[str, Any] = {"cdiVersion": CDI_VERSION, "kind": kind, "devices": []}
+    if mode == "shared":
+        if usable:
+            nodes = [_node(c.node_path) for n in usable for c in _chars(n, umad, issm)]
+            spec["devices"].append({"name": SHARED_DEVICE, "containerEdits": {"deviceNodes": [*nodes, rdma_cm]}})
+    else:
+        for nic in usable:
+            nodes = [_node(c.node_path) for c in _chars(nic, umad, issm)]
+            spec["devices"].append({"name": device_name(nic), "containerEdits": {"deviceNodes": nodes}})
+        spec["containerEdits"] = {"deviceNodes": [rdma_cm]}
+    return spec
+
+
+def qualified(kind: str, name: str) -> str:
+    return f"{kind}={name}"
+
+
+def allocation_devices(kind: str, mode: str, nics: Sequence[Nic]) -> tuple[str, ...]:
+    """Fully-qualified CDI device names for an allocation of ``nics``."""
+    if mode == "shared":
+        return (qualified(kind, SHARED_DEVICE),)
+    return tuple(qualified(kind, device_name(n)) for n in nics)
+
+
+class SpecWriter:
+    """Writes one resource's spec into ``cdi_dir`` atomically, only when it changes."""
+
+    def __init__(self, cdi_dir: str, kind: str, mode: str, umad: bool = False, issm: bool = False) -> None:
+        self.dir = cdi_dir
+        self.kind = kind
+        self.mode = mode
+        self.umad = umad
+        self.issm = issm
+        self.path = os.path.join(cdi_dir, spec_file_name(kind))
+        self._last: dict[str, Any] | None = None
+
+    def update(self, nics: Sequence[Nic]) -> bool:
+        """Write the spec for ``nics``; True when the file was (re)written."""
+        spec = build_spec(self.kind, self.mode, nics, self.umad, self.issm)
+        if spec == self._last and os.path.exists(self.path):
+            return False
+        os.makedirs(self.dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.dir)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(spec, fh, indent=2)
+                fh.write("\n")
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        self._last = spec
+        LOG.info("CDI spec written", extra={"path": self.path, "devices": [d["name"] for d in spec["devices"]]})
+        return True
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self._last = None

@@ -1,0 +1,162 @@
+"""Port state and GIDs through libibverbs (pyverbs), with sysfs as the fallback.
+
+``VerbsProbe.available()`` is True only when ``pyverbs`` imports AND
+``pyverbs.device.get_device_list()`` returns devices. With no RDMA device
+``get_device_list()`` raises ``PyverbsRDMAError`` (it does not return ``[]``); that, an
+import failure, or an empty list make the plugin use sysfs, said in one log line.
+
+Where pyverbs is not on ``sys.path`` (a venv), Debian's ``python3-pyverbs`` in
+/usr/lib/python3/dist-packages is tried, added to ``sys.path`` only for that import.
+
+Verbs async events (IBV_EVENT_PORT_ACTIVE / PORT_ERR) are NOT used: pyverbs'
+``Context.get_async_event()`` blocks inside libibverbs while holding the GIL (rdma-core
+44) and the async fd is not exposed for select(), so waiting for an event would stall
+every gRPC thread. Port state is polled with ``query_port`` at the health interval
+instead, which bounds the delay to that interval, as with sysfs.
+
+The loader is a seam: tests pass a fake module object.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from .node.sysfs import PORT_STATES
+
+LOG = logging.getLogger(__name__)
+
+DEBIAN_DIST_PACKAGES = "/usr/lib/python3/dist-packages"
+GID_TYPES = {0: "IB/RoCE v1", 1: "RoCE v2"}
+
+
+def load_pyverbs_device() -> ModuleType:
+    """Import ``pyverbs.device``; falls back to Debian's dist-packages for this import only."""
+    try:
+        return importlib.import_module("pyverbs.device")
+    except ImportError:
+        if DEBIAN_DIST_PACKAGES in sys.path:
+            raise
+    sys.path.append(DEBIAN_DIST_PACKAGES)
+    try:
+        return importlib.import_module("pyverbs.device")
+    finally:
+        sys.path.remove(DEBIAN_DIST_PACKAGES)
+
+
+def _name(dev: Any) -> str:
+    name = dev.name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+class VerbsProbe:
+    """Reads port states / GIDs through pyverbs when it can list devices."""
+
+    def __init__(self, loader: Callable[[], Any] = load_pyverbs_device) -> None:
+        self._loader = loader
+        self._mod: Any = None
+        self._available: bool | None = None
+        self.reason = ""
+        self._contexts: dict[str, Any] = {}
+
+    def available(self) -> bool:
+        """Decide once; logs the single line that says which source is used."""
+        if self._available is not None:
+            return self._available
+        try:
+            mod = self._loader()
+        except Exception as exc:  # ImportError, or a compiled extension that does not load
+            return self._fallback(f"pyverbs does not import ({type(exc).__name__}: {exc})")
+        try:
+            devices = list(mod.get_device_list())
+        except Exception as exc:  # PyverbsRDMAError when the node has no RDMA device
+            return self._fallback(f"pyverbs lists no RDMA devices ({type(exc).__name__}: {exc})")
+        if not devices:
+            return self._fallback("pyverbs lists no RDMA devices (empty list)")
+        self._mod = mod
+        self._available = True
+        self.reason = "pyverbs lists " + ",".join(sorted(_name(d) for d in devices))
+        LOG.info("port state and GIDs from pyverbs", extra={"devices": self.reason})
+        return True
+
+    def _fallback(self, reason: str) -> bool:
+        self._available = False
+        self.reason = reason
+        LOG.info("port state and GIDs from sysfs: %s", reason)
+        return False
+
+    def devices(self) -> list[str]:
+        if not self.available():
+            return []
+        try:
+            return sorted(_name(d) for d in self._mod.get_device_list())
+        except Exception:
+            return []
+
+    def _context(self, name: str) -> Any:
+        ctx = self._contexts.get(name)
+        if ctx is None:
+            ctx = self._mod.Context(name=name)
+            self._contexts[name] = ctx
+        return ctx
+
+    def _drop(self, name: str) -> None:
+        ctx = self._contexts.pop(name, None)
+        if ctx is not None:
+            try:
+                ctx.close()
+            except Exception:
+                LOG.debug("closing verbs context of %s failed", name, exc_info=True)
+
+    def port_states(self, names: Sequence[str]) -> dict[str, tuple[str, ...] | None]:
+        """Port states of the NICs pyverbs knows (None = gone); NICs it does not know are left out."""
+        known = set(self.devices())
+        result: dict[str, tuple[str, ...] | None] = {}
+        for name in names:
+            if name not in known:
+                self._drop(name)
+                continue
+            try:
+                ctx = self._context(name)
+                count = int(ctx.query_device().phys_port_cnt)
+                result[name] = tuple(
+                    PORT_STATES.get(int(ctx.query_port(p).state), "UNKNOWN") for p in range(1, count + 1)
+                )
+            except Exception as exc:  # device vanished under us, or a driver error
+                LOG.debug("verbs query of %s failed: %s", name, exc)
+                self._drop(name)
+                result[name] = None
+        return result
+
+    def gids(self, name: str) -> list[tuple[str, str]]:
+        """Non-zero GIDs of every port of ``name`` as (gid "fe80:0000:...", type "RoCE v2" | "IB/RoCE v1" | "")."""
+        if not self.available() or name not in self.devices():
+            return []
+        out: list[tuple[str, str]] = []
+        try:
+            ctx = self._context(name)
+            for port in range(1, int(ctx.query_device().phys_port_cnt) + 1):
+                for index in range(int(ctx.query_port(port).gid_tbl_len)):
+                    try:
+                        gid = str(ctx.query_gid(port, index)).lower()
+                    except Exception:
+                        continue
+                    if not gid or not set(gid) - {"0", ":"}:
+                        continue
+                    try:  # ibv_query_gid_type answers enum ibv_gid_type_sysfs: 0 IB/RoCE v1, 1 RoCE v2
+                        gtype = GID_TYPES.get(int(ctx.query_gid_type(port, index)), "")
+                    except Exception:
+                        gtype = ""
+                    out.append((gid, gtype))
+        except Exception as exc:
+            LOG.debug("verbs GID query of %s failed: %s", name, exc)
+            self._drop(name)
+        return out
+
+    def close(self) -> None:
+        for name in list(self._contexts):
+            self._drop(name)

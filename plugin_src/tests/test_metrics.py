@@ -1,0 +1,116 @@
+"""Prometheus metrics scraped over HTTP from a real ``serve`` process."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rdma_device_plugin.api import deviceplugin_pb2 as pb
+from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
+from rdma_device_plugin.kubelet_sim import KubeletSimulator
+from rdma_device_plugin.metrics import parse_address
+from rdma_device_plugin.node import fixtures
+
+RES = "rdma/hca"
+SOCK = "rdma-dp-rdma_hca.sock"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def _get(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), float("nan"))
+
+
+def test_metrics_over_http(sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode, dp_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    port = _free_port()
+    plugin = start_plugin({"version": "v1", "mode": "exclusive"}, extra=["--metrics-address", f"127.0.0.1:{port}"])
+    assert sim.wait_registered(RES), plugin.output()
+    sim.allocate(RES, 1, pod="a")
+    sim.allocate(RES, 1, pod="b")
+    with grpc.insecure_channel(f"unix://{dp_dir / SOCK}") as ch:
+        req = pb.AllocateRequest()
+        req.container_requests.add(devices_ids=["0000:ff:00.0"])
+        with pytest.raises(grpc.RpcError):
+            pb_grpc.DevicePluginStub(ch).Allocate(req, timeout=5)
+    node.set_port_state("mlx5_bond_3", "DOWN")
+    assert sim.wait_for(lambda: sim.allocatable(RES) == 3, timeout=5)
+    sim.restart()
+    assert sim.wait_registered(RES, count=2, timeout=5)
+
+    m = _scrape(port)
+    assert _get(m, "rdma_dp_devices", resource=RES, health="Healthy") == 3
+    assert _get(m, "rdma_dp_devices", resource=RES, health="Unhealthy") == 1
+    assert _get(m, "rdma_dp_port_active", nic="mlx5_bond_3", port="1") == 0
+    assert _get(m, "rdma_dp_port_active", nic="mlx5_bond_0", port="1") == 1
+    assert _get(m, "rdma_dp_port_state", nic="mlx5_bond_3", port="1", state="DOWN") == 1
+    assert _get(m, "rdma_dp_allocations_total", resource=RES, result="ok") == 2
+    assert _get(m, "rdma_dp_allocations_total", resource=RES, result="error") == 1
+    assert _get(m, "rdma_dp_allocate_seconds_count", resource=RES) == 3
+    assert _get(m, "rdma_dp_allocate_seconds_bucket", resource=RES, le="+Inf") == 3
+    assert _get(m, "rdma_dp_registrations_total", resource=RES) == 2
+    assert _get(m, "rdma_dp_kubelet_restarts_total") == 1
+    assert _get(m, "rdma_dp_rediscoveries_total") >= 1
+    # bound to the address given, nothing else
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.2", port), timeout=1):
+        pass
+
+
+def test_metrics_off_by_default(sim: KubeletSimulator, start_plugin) -> None:  # type: ignore[no-untyped-def]
+    plugin = start_plugin()
+    assert sim.wait_registered(RES)
+    assert "serving Prometheus metrics" not in plugin.output()
+
+
+def test_bad_metrics_address_exits_2(node: fixtures.FixtureNode, dp_dir: Path) -> None:
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "rdma_device_plugin", "serve", "--sysfs-root", node.sysfs, "--dev-root", node.dev),
+            *("--device-plugin-dir", str(dp_dir), "--metrics-address", "nowhere"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2 and "must be HOST:PORT" in proc.stderr
+    assert list(dp_dir.iterdir()) == []
+
+
+def test_parse_address() -> None:
+    assert parse_address("127.0.0.1:9108") == ("127.0.0.1", 9108)
+    assert parse_address(":9108") == ("0.0.0.0", 9108)
+    assert parse_address("[::1]:9108") == ("::1", 9108)
+    for bad in ("9108", "host:", "host:0", "host:70000"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_address(bad)
+
+
+def test_scrape_is_fast_enough_to_poll(sim: KubeletSimulator, start_plugin) -> None:  # type: ignore[no-untyped-def]
+    port = _free_port()
+    start_plugin(extra=["--metrics-address", f"127.0.0.1:{port}"])
+    assert sim.wait_registered(RES)
+    t0 = time.monotonic()
+    m = _scrape(port)
+    assert time.monotonic() - t0 < 1.0
+    assert _get(m, "rdma_dp_devices", resource=RES, health="Healthy") == 1000

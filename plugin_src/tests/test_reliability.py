@@ -1,0 +1,380 @@
+"""Fault and load tests: the real ``serve`` process against the kubelet simulator.
+
+Kubelet restarts under load, port flaps, NIC hot-plug during Allocates, 200 concurrent
+Allocates with the stream open, and SIGKILL of the plugin itself. The only time bounds
+asserted are protocol-level waits (how long to wait for a re-registration or a snapshot
+before calling it lost); speed figures live in bench/bench_plugin.py.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from rdma_device_plugin.api import deviceplugin_pb2 as pb
+from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
+from rdma_device_plugin.kubelet_sim import CHECKPOINT, AllocationFailed, KubeletSimulator
+from rdma_device_plugin.node import fixtures
+
+RES = "rdma/hca"
+SOCK = "rdma-dp-rdma_hca.sock"
+INTERVAL = 0.1  # health probe interval used by these tests
+FAST: dict[str, Any] = {"health": {"intervalSeconds": INTERVAL}, "rediscoveryIntervalSeconds": 1.0}
+SPECS = {n.name: n for n in fixtures.lingjun_node(nics=4).nics}  # the conftest `node` fixture
+NAMES = sorted(SPECS)
+UVERBS = {name: f"/dev/infiniband/uverbs{spec.uverbs}" for name, spec in SPECS.items()}
+ALL_PATHS = [UVERBS[n] for n in NAMES] + ["/dev/infiniband/rdma_cm"]
+ACTIVE = ("ACTIVE", "ACTIVE_DEFER")
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def thread_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def alloc_request(*ids: str) -> Any:
+    req = pb.AllocateRequest()
+    req.container_requests.add(devices_ids=list(ids))
+    return req
+
+
+def paths_of(resp: Any) -> list[str]:
+    assert len(resp.container_responses) == 1
+    return [d.host_path for d in resp.container_responses[0].devices]
+
+
+@contextmanager
+def plugin_stub(dp_dir: Path) -> Iterator[Any]:
+    """A client of the plugin's socket; it reconnects by itself when the socket is re-created."""
+    with grpc.insecure_channel(f"unix://{dp_dir / SOCK}") as ch:
+        yield pb_grpc.DevicePluginStub(ch)
+
+
+def registrations(sim: KubeletSimulator) -> int:
+    return sum(1 for _, r in sim.registrations if r == RES)
+
+
+# --------------------------------------------------------------------------- kubelet restarts
+
+
+@pytest.mark.timeout(120)
+def test_kubelet_restarts_50_times_at_random_moments(  # type: ignore[no-untyped-def]
+    sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode, dp_dir: Path
+) -> None:
+    """50 kubelet restarts while ports flap (snapshots in flight) and Allocates run: the
+    plugin re-registers every time, exactly once, and leaks no socket, fd or thread."""
+    plugin = start_plugin(FAST)
+    assert sim.wait_registered(RES), plugin.output()
+    pid = plugin.proc.pid
+    with plugin_stub(dp_dir) as stub:  # warm the gRPC worker pool before the baseline
+        for i in range(20):
+            assert paths_of(stub.Allocate(alloc_request(f"hca-{i}"), timeout=10)) == ALL_PATHS
+    time.sleep(0.5)
+    fds0, threads0 = fd_count(pid), thread_count(pid)
+
+    stop = threading.Event()
+    stats: Counter[str] = Counter()
+    errors: list[str] = []
+
+    def flapper() -> None:  # keeps snapshots flowing, so restarts land mid-send
+        rng = random.Random(1)
+        while not stop.is_set():
+            name = rng.choice(NAMES)
+            node.set_port_state(name, "DOWN")
+            time.sleep(rng.uniform(0, 0.03))
+            node.set_port_state(name, "ACTIVE")
+            time.sleep(rng.uniform(0, 0.03))
+
+    def direct_allocator() -> None:  # Allocates in flight when the kubelet restarts
+        rng = random.Random(2)
+        with plugin_stub(dp_dir) as stub:
+            while not stop.is_set():
+                try:
+                    if paths_of(stub.Allocate(alloc_request(f"hca-{rng.randrange(1000)}"), timeout=5)) != ALL_PATHS:
+                        errors.append("wrong device paths")
+                    stats["direct ok"] += 1
+                except grpc.RpcError as exc:  # the socket is gone until the plugin re-serves
+                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                        errors.append(f"direct {exc.code().name}: {exc.details()}")
+                    stats["direct unavailable"] += 1
+                    time.sleep(0.01)
+
+    def kubelet_allocator() -> None:  # the simulator's own Allocate, cut by its restart
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                sim.allocate(RES, 1, pod=f"k{n}")
+                stats["kubelet ok"] += 1
+                sim.release(f"k{n}")
+            except AllocationFailed as exc:
+                msg = str(exc)
+                # refused: pool unhealthy right now, kubelet between restart and re-registration, or cut
+                expected = ("available", "not registered", "UNAVAILABLE", "CANCELLED")
+                if not any(e in msg for e in expected):
+                    errors.append(f"kubelet: {msg}")
+                stats["kubelet refused"] += 1
+            except ValueError:  # "Cannot invoke RPC on closed channel": the restart closed it
+                stats["kubelet cut"] += 1
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (flapper, direct_allocator, kubelet_allocator)]
+    for t in threads:
+        t.start()
+    rng = random.Random(3)
+    try:
+        for n in range(50):
+            time.sleep(rng.uniform(0, 0.12))  # a random moment relative to flaps and Allocates
+            sim.restart()
+            assert sim.wait_registered(RES, count=n + 2, timeout=10), (n, plugin.output()[-4000:])
+            assert plugin.proc.poll() is None
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    for name in NAMES:
+        node.set_port_state(name, "ACTIVE")
+    assert sim.wait_for(lambda: sim.allocatable(RES) == 1000, timeout=5), "the 51st stream stopped delivering"
+    time.sleep(1.0)  # let the last Allocate clients and old servers wind down
+    assert registrations(sim) == 51, "one registration per kubelet start, no more, no fewer"
+    assert sim.restarts == 50 and not sim.rejections
+    assert not errors, errors[:5]
+    assert stats["direct ok"] > 0 and stats["kubelet ok"] > 0, stats
+    assert sorted(os.listdir(dp_dir)) == sorted([CHECKPOINT, "kubelet.sock", SOCK])
+    fds1, threads1 = fd_count(pid), thread_count(pid)
+    assert fds1 <= fds0 + 3, f"fd leak: {fds0} -> {fds1} over 50 restarts"
+    assert threads1 <= threads0 + 6, f"thread leak: {threads0} -> {threads1} over 50 restarts"
+    with plugin_stub(dp_dir) as stub:
+        assert paths_of(stub.Allocate(alloc_request("hca-7"), timeout=10)) == ALL_PATHS
+    assert "Traceback" not in plugin.output()
+
+
+# --------------------------------------------------------------------------- port flaps
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+def test_200_port_flaps_last_snapshot_matches_final_state(  # type: ignore[no-untyped-def]
+    sim: KubeletSimulator, start_plugin, short_tmp: Path, mode: str
+) -> None:
+    """200 state changes on random ports of 2-port NICs, in bursts faster and slower than
+    the probe: after every burst the simulator's last snapshot converges to the state
+    computed from the fixture, and stays there (no stale snapshot after it)."""
+    spec = fixtures.NodeSpec(nics=tuple(replace(n, ports=2) for n in fixtures.lingjun_node(nics=4).nics))
+    fx = fixtures.write_node(str(short_tmp / "flap"), spec)
+    plugin = start_plugin({**FAST, "mode": mode}, fixture=fx)
+    assert sim.wait_registered(RES), plugin.output()
+    pci = {n.name: n.pci_address for n in spec.nics}
+    states = {(name, port): "ACTIVE" for name in NAMES for port in (1, 2)}
+
+    def expected() -> object:
+        ok = {name: all(states[name, p] in ACTIVE for p in (1, 2)) for name in NAMES}
+        if mode == "exclusive":
+            return {pci[n]: "Healthy" if ok[n] else "Unhealthy" for n in NAMES}
+        return (1000, 1000 if all(ok.values()) else 0)
+
+    def observed() -> object:
+        if mode == "exclusive":
+            return {i: d.health for i, d in sim.devices(RES).items()}
+        return (sim.capacity(RES), sim.allocatable(RES))
+
+    def last_snapshot_matches(want: object) -> bool:
+        snap = sim.endpoints[RES].snapshots[-1]
+        if mode == "shared":
+            return (snap[1], snap[2]) == want
+        assert isinstance(want, dict)
+        return (snap[1], snap[2]) == (4, list(want.values()).count("Healthy")) and observed() == want
+
+    rng = random.Random(11 if mode == "shared" else 12)
+    changes = 0
+    for burst in range(10):
+        for _ in range(20):
+            key = rng.choice(sorted(states))
+            new = rng.choice(["ACTIVE", "ACTIVE", "ACTIVE", "ACTIVE_DEFER", "DOWN", "INIT", "ARMED"])
+            fx.set_port_state(key[0], new, port=key[1])
+            states[key] = new
+            changes += 1
+            time.sleep(rng.choice([0, 0, 0, 0.01, 0.1]))  # some changes coalesce within one probe
+        want = expected()
+        assert sim.wait_for(lambda w=want: last_snapshot_matches(w), timeout=5), (burst, observed(), want)
+    assert changes == 200
+    time.sleep(5 * INTERVAL)  # several more probes: nothing newer and different may arrive
+    assert last_snapshot_matches(expected()), (observed(), expected())
+    assert registrations(sim) == 1 and sim.endpoints[RES].stream_open, "the one stream carried every update"
+    assert "Traceback" not in plugin.output()
+
+
+# --------------------------------------------------------------------------- hot-plug
+
+# The probe notices a removal within one interval plus the time a probe itself takes (it
+# may have listed the NICs just before the removal); PROBE_RUN bounds that run time.
+PROBE_RUN = 0.25
+
+
+@pytest.mark.timeout(60)
+def test_hot_plug_never_hands_out_a_removed_nic(  # type: ignore[no-untyped-def]
+    sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode, dp_dir: Path
+) -> None:
+    """NICs removed and re-added while 4 threads call Allocate: an answer to a request sent
+    after removal completed + one probe interval (+ probe run time) and received before the
+    re-add began never contains the removed NIC's uverbs path; no call fails; the plugin
+    survives and uses the re-added NICs again."""
+    plugin = start_plugin(FAST)
+    assert sim.wait_registered(RES), plugin.output()
+    records: list[tuple[float, float, list[str] | grpc.RpcError]] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def caller(seed: int) -> None:
+        rng = random.Random(seed)
+        with plugin_stub(dp_dir) as stub:
+            while not stop.is_set():
+                t_send = time.monotonic()
+                out: list[str] | grpc.RpcError
+                try:
+                    out = paths_of(stub.Allocate(alloc_request(f"hca-{rng.randrange(1000)}"), timeout=10))
+                except grpc.RpcError as exc:
+                    out = exc
+                with lock:
+                    records.append((t_send, time.monotonic(), out))
+
+    threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    windows: list[tuple[str, float, float]] = []  # (NIC, removal completed, re-add started)
+    rng = random.Random(5)
+    try:
+        for _ in range(6):
+            victims = rng.sample(NAMES, rng.choice([1, 1, 2]))
+            for v in victims:
+                node.remove_nic(v)
+            removed = time.monotonic()
+            time.sleep(rng.uniform(0.4, 0.8))
+            readd = time.monotonic()
+            for v in victims:
+                node.add_nic(SPECS[v])
+            windows += [(v, removed, readd) for v in victims]
+            time.sleep(rng.uniform(0.2, 0.4))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(15)
+    failures = [r for r in records if isinstance(r[2], grpc.RpcError)]
+    assert not failures, failures[:3]  # two or more NICs stay present: shared Allocate always has NICs
+    checked = 0
+    for t_send, t_recv, out in records:
+        assert isinstance(out, list)
+        for name, removed, readd in windows:
+            if t_send >= removed + INTERVAL + PROBE_RUN and t_recv <= readd:
+                checked += 1
+                assert UVERBS[name] not in out, (name, t_send - removed, out)
+    assert checked >= 50, f"only {checked} answers fell inside removal windows; the check proved nothing"
+    assert plugin.proc.poll() is None
+    # every NIC is back: within a rediscovery interval the answers name all four again
+    with plugin_stub(dp_dir) as stub:
+        deadline = time.monotonic() + 5
+        while paths_of(stub.Allocate(alloc_request("hca-1"), timeout=10)) != ALL_PATHS:
+            assert time.monotonic() < deadline, "re-added NICs never came back"
+            time.sleep(0.1)
+    assert "Traceback" not in plugin.output()
+
+
+# --------------------------------------------------------------------------- load
+
+
+@pytest.mark.timeout(60)
+def test_200_concurrent_allocates_while_the_stream_delivers(  # type: ignore[no-untyped-def]
+    sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode, dp_dir: Path
+) -> None:
+    """Waves of 200 concurrent Allocates run without pause while a port goes down and up:
+    every call succeeds with the right devices and both health flips reach the simulator
+    over the one ListAndWatch stream while the load is on."""
+    plugin = start_plugin(FAST)
+    assert sim.wait_registered(RES), plugin.output()
+    stop = threading.Event()
+    in_flight = threading.Event()
+    stats: Counter[str] = Counter()
+    bad: list[str] = []
+
+    def load() -> None:
+        with plugin_stub(dp_dir) as stub:
+            while not stop.is_set():
+                futures = [stub.Allocate.future(alloc_request(f"hca-{i}"), timeout=60) for i in range(200)]
+                in_flight.set()
+                for f in futures:
+                    try:
+                        if paths_of(f.result()) == ALL_PATHS:
+                            stats["ok"] += 1
+                        else:
+                            bad.append("wrong paths")
+                    except grpc.RpcError as exc:
+                        bad.append(f"{exc.code().name}: {exc.details()}")
+                stats["waves"] += 1
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    assert in_flight.wait(10)
+    node.set_port_state("mlx5_bond_1", "DOWN")
+    assert sim.wait_for(lambda: sim.allocatable(RES) == 0, timeout=10), "flip to Unhealthy lost under load"
+    down_seen_during_load = loader.is_alive()
+    node.set_port_state("mlx5_bond_1", "ACTIVE")
+    assert sim.wait_for(lambda: sim.allocatable(RES) == 1000, timeout=10), "flip to Healthy lost under load"
+    up_seen_during_load = loader.is_alive()
+    stop.set()
+    loader.join(60)
+    assert not loader.is_alive()
+    assert down_seen_during_load and up_seen_during_load
+    assert not bad, bad[:5]
+    assert stats["ok"] == 200 * stats["waves"] and stats["waves"] >= 1, stats
+    assert registrations(sim) == 1 and sim.endpoints[RES].stream_open
+    assert plugin.proc.poll() is None
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+def test_sigkilled_plugin_comes_back_with_the_same_device_ids(  # type: ignore[no-untyped-def]
+    sim: KubeletSimulator, start_plugin, dp_dir: Path, mode: str
+) -> None:
+    """SIGKILL while the simulator holds allocations: the restarted plugin advertises the
+    same IDs, the held IDs are Healthy in its first snapshot, and Allocate of them succeeds
+    with the same devices as before."""
+    config = {**FAST, "mode": mode}
+    first = start_plugin(config)
+    assert sim.wait_registered(RES), first.output()
+    ids_before = set(sim.devices(RES))
+    assert len(ids_before) == (4 if mode == "exclusive" else 1000)
+    held = [sim.allocate(RES, 2 if mode == "exclusive" else 1, pod="p1"), sim.allocate(RES, 1, pod="p2")]
+    rc, _ = first.stop(signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    # the kubelet's view of a dead plugin: stream ended, everything unhealthy
+    assert sim.wait_for(lambda: not sim.endpoints[RES].stream_open and sim.allocatable(RES) == 0, timeout=10)
+    second = start_plugin(config)
+    assert sim.wait_registered(RES, count=2, timeout=15), second.output()
+    devices = sim.devices(RES)
+    assert set(devices) == ids_before
+    assert all(d.health == "Healthy" for d in devices.values())
+    stub = sim.endpoints[RES].stub
+    for alloc in held:
+        assert set(alloc.ids) <= set(devices)
+        assert paths_of(stub.Allocate(alloc_request(*alloc.ids), timeout=10)) == alloc.device_paths
+    assert [a.pod for a in sim.allocations] == ["p1", "p2"]
+    assert sorted(os.listdir(dp_dir)) == sorted([CHECKPOINT, "kubelet.sock", SOCK])  # stale socket replaced
+    assert "Traceback" not in second.output()
