@@ -102,18 +102,6 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.rdma_node import procfs, selectors, sysfs
 
 
-def _compute_netdevs(nic: sysfs.Nic) -> list[str]:
-    """Netdevs that own the NIC's GIDs (they carry its IP); the first netdev when none do."""
-    owners: list[str] = []
-    for port in nic.ports:
-        for gid in port.gids:
-            if gid.ndev and gid.ndev not in owners:
-                owners.append(gid.ndev)
-    if not owners and nic.netdevs:
-        owners.append(nic.netdevs[0])
-    return owners
-
-
 def _nic_data(nic: sysfs.Nic) -> dict[str, Any]:
     data = nic.to_dict()
     ports = data["ports"]
@@ -123,7 +111,7 @@ def _nic_data(nic: sysfs.Nic) -> dict[str, Any]:
         port["rate_gbps"] = port_obj.rate_gbps
     data["link_layers"] = list(nic.link_layers)
     data["all_ports_active"] = nic.all_ports_active
-    data["compute_netdevs"] = _compute_netdevs(nic)
+    data["compute_netdevs"] = list(nic.compute_netdevs)
     return data
 
 
@@ -180,7 +168,7 @@ def main() -> None:
     names = {n.name for n in selected}
     compute: dict[str, list[sysfs.Nic]] = {}
     for nic in selected:
-        for netdev in _compute_netdevs(nic):
+        for netdev in nic.compute_netdevs:
             compute.setdefault(netdev, []).append(nic)
     cm = sysfs.rdma_cm(p["dev_root"])
     module.exit_json(

@@ -208,3 +208,17 @@ def test_discover_cli(node: fixtures.FixtureNode) -> None:
     assert [n["name"] for n in data["nics"]] == ["mlx5_bond_0", "mlx5_bond_1", "mlx5_bond_2", "mlx5_bond_3"]
     assert data["nics"][0]["uverbs"]["path"] == "/dev/infiniband/uverbs1" and data["rdma_cm"] is True
     assert data["nics"][0]["resource"] == "rdma/hca"
+
+
+def test_nic_usable_as_soon_as_its_uverbs_node_appears(
+    sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode
+) -> None:  # type: ignore[no-untyped-def]
+    # udev may create /dev/infiniband/uverbsN after the sysfs entry: the NIC must not wait
+    # for the (long) rediscovery timer once its node appears.
+    uverbs = Path(node.dev, "infiniband", "uverbs1")
+    uverbs.unlink()
+    start_plugin({"rediscoveryIntervalSeconds": 3600})
+    assert sim.wait_registered(RES)
+    assert sim.allocatable(RES) == 0
+    uverbs.write_text("", encoding="utf-8")
+    assert sim.wait_for(lambda: sim.allocatable(RES) == 1000, timeout=3)

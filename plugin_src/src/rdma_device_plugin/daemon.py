@@ -52,14 +52,26 @@ class Discovery:
         self.hooks = hooks or Hooks()
         self.cdi: dict[str, cdi.SpecWriter] = {}  # resource name -> its CDI spec (cdi.enabled)
         self._names: list[str] = []
+        self._problems: dict[str, tuple[str, ...]] = {}
+        self._incomplete = False
         self._last_full = 0.0
         self.rediscoveries = 0
 
     def full(self) -> list[sysfs.Nic]:
         nics = sysfs.read_nics(self.sysfs_root, self.dev_root)
-        for nic in nics:
-            for problem in nic.problems:
-                LOG.warning("NIC problem", extra={"nic": nic.name, "problem": problem})
+        problems = {n.name: n.problems for n in nics if n.problems}
+        for name, found in problems.items():
+            if self._problems.get(name) != found:  # log a problem once, not at every re-list
+                for problem in found:
+                    LOG.warning("NIC problem", extra={"nic": name, "problem": problem})
+        self._problems = problems
+        # A selected NIC whose uverbs node is not there yet (udev still creating it) is
+        # re-read at every probe, so it becomes usable without waiting for the rediscovery timer.
+        self._incomplete = any(
+            nic.uverbs is None or not nic.uverbs.present
+            for pool in self.pools
+            for nic in pool.selectors.select(nics)
+        )
         self._names = [n.name for n in nics]
         self._last_full = time.monotonic()
         self.rediscoveries += 1
@@ -99,7 +111,7 @@ class Discovery:
     def probe(self) -> None:
         names = sysfs.list_rdma_devices(self.sysfs_root)
         due = time.monotonic() - self._last_full >= self.config.rediscovery_interval_seconds
-        if names != self._names or due:
+        if names != self._names or due or self._incomplete:
             if names != self._names:
                 LOG.info("RDMA devices changed on the node", extra={"before": self._names, "after": names})
             self.full()

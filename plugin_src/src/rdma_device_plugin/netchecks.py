@@ -64,13 +64,7 @@ class ChecksFailed(Exception):
 
 def gid_netdev(nic: Nic) -> str:
     """The netdev that owns the NIC's GIDs (a bond for RoCE LAG), else its first netdev, else ""."""
-    owners = [g.ndev for p in nic.ports for g in p.gids if g.ndev]
-    roce_v2 = [g.ndev for p in nic.ports for g in p.gids if g.ndev and g.type == "RoCE v2"]
-    if roce_v2:
-        return roce_v2[0]
-    if owners:
-        return owners[0]
-    return nic.netdevs[0] if nic.netdevs else ""
+    return nic.compute_netdevs[0] if nic.compute_netdevs else ""
 
 
 def check(

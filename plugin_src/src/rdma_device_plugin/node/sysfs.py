@@ -112,6 +112,20 @@ class Nic:
         return tuple(sorted({p.link_layer for p in self.ports}))
 
     @property
+    def compute_netdevs(self) -> tuple[str, ...]:
+        """Netdevs that carry the NIC's IP traffic: the owners of its GIDs (RoCE v2 owners
+        first; the bond for a RoCE LAG), else its first netdev (InfiniBand has no owners)."""
+        owners: list[str] = []
+        for roce_v2_pass in (True, False):
+            for port in self.ports:
+                for gid in port.gids:
+                    if gid.ndev and gid.ndev not in owners and (gid.type == "RoCE v2") == roce_v2_pass:
+                        owners.append(gid.ndev)
+        if not owners and self.netdevs:
+            owners.append(self.netdevs[0])
+        return tuple(owners)
+
+    @property
     def all_ports_active(self) -> bool:
         return bool(self.ports) and all(p.active for p in self.ports)
 
