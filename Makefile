@@ -7,7 +7,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo test lint test-plugin test-chart test-molecule bench proto clean
+.PHONY: help setup system-deps demo test lint test-plugin test-chart test-molecule image bench proto clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -45,6 +45,9 @@ test-molecule: setup system-deps ## every molecule scenario, for real on localho
 	bash scripts/run-molecule.sh
 
 test: setup system-deps lint test-plugin test-chart test-molecule ## everything CI runs
+
+image: setup system-deps ## build the image with buildah and push it to a registry on 127.0.0.1 (the plugin-image scenario)
+	bash scripts/make-base-image.sh && $(BIN)/molecule test -s plugin-image
 
 bench: setup ## print the benchmark figures (see bench/RESULTS.md)
 	$(PY) bench/bench_plugin.py
