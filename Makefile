@@ -24,8 +24,8 @@ system-deps: ## install the Debian packages the tests use (buildah, registry, py
 
 setup: $(VENV)/.stamp ## create .venv from the pinned requirements
 
-demo: setup ## the main job on the local default: fixture Lingjun node + kubelet simulator
-	$(PY) -m rdma_device_plugin.demo
+demo: setup ## the main job on the local default: validate, deploy and verify a fixture Lingjun node via Ansible
+	$(BIN)/ansible-playbook playbooks/site.yml -i inventories/local
 
 lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests

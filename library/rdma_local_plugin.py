@@ -1,0 +1,314 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+"""Run the plugin and the kubelet simulator as background processes on the node (local deploy target)."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: rdma_local_plugin
+short_description: Keep the kubelet simulator and C(rdma-device-plugin serve) running against a fixture node
+description:
+  - The local deploy target, without a cluster. Starts two detached background processes on the node,
+    the kubelet simulator (C(python -m rdma_device_plugin.sim_cli), which writes the node status to
+    O(status_file)) and the plugin (C(python -m rdma_device_plugin serve --config ...)), and waits until
+    the simulator reports every resource of the config registered.
+  - Idempotent. Process ids and a fingerprint of each process's command line and config file are kept in
+    O(run_dir)/local-plugin.json; a process that is alive with the same fingerprint is left alone. A changed
+    plugin config restarts only the plugin (as a DaemonSet rollout would), not the simulator.
+  - O(state=stopped) ends both processes (by their recorded pid, after checking the pid still runs them).
+version_added: "0.1.0"
+author: rdma-device-plugin maintainers
+options:
+  state:
+    description: C(started) or C(stopped).
+    type: str
+    choices: [started, stopped]
+    default: started
+  run_dir:
+    description: Directory for the state file and the process logs.
+    type: path
+    required: true
+  python:
+    description: Python interpreter with the C(rdma_device_plugin) package (default the module's own).
+    type: path
+  config_path:
+    description: Plugin config file (the one extracted from the rendered chart).
+    type: path
+  sysfs_root:
+    description: Fixture node sysfs root.
+    type: path
+  procfs_root:
+    description: Fixture node procfs root.
+    type: path
+  dev_root:
+    description: Fixture node dev root.
+    type: path
+  device_plugin_dir:
+    description: Device-plugin dir shared by the simulator (C(kubelet.sock)) and the plugin (keep it short, unix sockets < 108 bytes).
+    type: path
+  status_file:
+    description: JSON node status the simulator writes.
+    type: path
+  node_name:
+    description: Node name the simulator reports.
+    type: str
+    default: lingjun-node-0
+  resources:
+    description: Resource names to wait for (default the C(resources[].name) of the config file).
+    type: list
+    elements: str
+  timeout:
+    description: Seconds to wait for the registration.
+    type: int
+    default: 30
+"""
+
+EXAMPLES = r"""
+- name: Run the plugin against the fixture node and the kubelet simulator
+  rdma_local_plugin:
+    run_dir: out/local/run
+    config_path: out/local/config.yaml
+    sysfs_root: out/local/node/sys
+    procfs_root: out/local/node/proc
+    dev_root: out/local/node/dev
+    device_plugin_dir: out/local/dp
+    status_file: out/local/run/node-status.json
+"""
+
+RETURN = r"""
+status:
+  description: The node status the simulator reports (node, registered, capacity, allocatable, registrations).
+  type: dict
+  returned: when state is started
+pids:
+  description: Process ids of the simulator and the plugin.
+  type: dict
+  returned: always
+restarted:
+  description: Which processes were (re)started in this run.
+  type: list
+  elements: str
+  returned: always
+"""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+
+STATE_FILE = "local-plugin.json"
+MARKER = "rdma_device_plugin"
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _running(pid):
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            if fh.read().rsplit(")", 1)[-1].split()[0] == "Z":
+                return False
+    except OSError:
+        return False
+    return MARKER in _cmdline(pid)
+
+
+def _stop(pid, timeout=10.0):
+    if not _running(pid):
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _running(pid):
+            return True
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def _start(cmd, log_path):
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+    return proc.pid
+
+
+def _fingerprint(cmd, files=()):
+    h = hashlib.sha256(json.dumps(cmd).encode())
+    for path in files:
+        with open(path, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
+
+
+def _read_json(path):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _log_tail(path, lines=15):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return "".join(fh.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            state=dict(type="str", choices=["started", "stopped"], default="started"),
+            run_dir=dict(type="path", required=True),
+            python=dict(type="path"),
+            config_path=dict(type="path"),
+            sysfs_root=dict(type="path"),
+            procfs_root=dict(type="path"),
+            dev_root=dict(type="path"),
+            device_plugin_dir=dict(type="path"),
+            status_file=dict(type="path"),
+            node_name=dict(type="str", default="lingjun-node-0"),
+            resources=dict(type="list", elements="str"),
+            timeout=dict(type="int", default=30),
+        ),
+        required_if=[
+            (
+                "state",
+                "started",
+                ["config_path", "sysfs_root", "procfs_root", "dev_root", "device_plugin_dir", "status_file"],
+            )
+        ],
+        supports_check_mode=True,
+    )
+    p = module.params
+    run_dir = p["run_dir"]
+    state_path = os.path.join(run_dir, STATE_FILE)
+    saved = _read_json(state_path)
+    pids = {"simulator": saved.get("simulator", {}).get("pid"), "plugin": saved.get("plugin", {}).get("pid")}
+
+    if p["state"] == "stopped":
+        alive = [name for name, pid in pids.items() if _running(pid)]
+        if alive and not module.check_mode:
+            # The plugin first, then the kubelet, as a node shutdown would.
+            _stop(pids["plugin"])
+            _stop(pids["simulator"])
+            os.unlink(state_path)
+        module.exit_json(changed=bool(alive), pids=pids, restarted=[], stopped=alive)
+
+    python = p["python"] or sys.executable
+    if len(p["device_plugin_dir"]) + len("/rdma-dp-rdma_hca.sock") + 20 > 107:
+        module.fail_json(msg=f"device_plugin_dir {p['device_plugin_dir']} is too long for unix socket paths (< 108 bytes)")
+    if not os.path.isfile(p["config_path"]):
+        module.fail_json(msg=f"plugin config {p['config_path']} does not exist")
+    resources = p["resources"]
+    if not resources:
+        with open(p["config_path"], encoding="utf-8") as fh:
+            import yaml
+
+            config = yaml.safe_load(fh) or {}
+        resources = [r.get("name", "rdma/hca") for r in config.get("resources", [{}])]
+
+    sim_cmd = [
+        python, "-m", "rdma_device_plugin.sim_cli", "run",
+        "--dir", p["device_plugin_dir"],
+        "--status-file", p["status_file"],
+        "--node-name", p["node_name"],
+    ]
+    plugin_cmd = [
+        python, "-m", "rdma_device_plugin", "serve",
+        "--config", p["config_path"],
+        "--sysfs-root", p["sysfs_root"],
+        "--procfs-root", p["procfs_root"],
+        "--dev-root", p["dev_root"],
+        "--device-plugin-dir", p["device_plugin_dir"],
+        "--log-format", "json",
+    ]
+    sim_fp = _fingerprint(sim_cmd)
+    plugin_fp = _fingerprint(plugin_cmd, [p["config_path"]])
+
+    restart = []
+    if not (_running(pids["simulator"]) and saved.get("simulator", {}).get("fingerprint") == sim_fp):
+        restart = ["simulator", "plugin"]  # a new kubelet needs the plugin to register again
+    elif not (_running(pids["plugin"]) and saved.get("plugin", {}).get("fingerprint") == plugin_fp):
+        restart = ["plugin"]
+
+    if module.check_mode or not restart:
+        status = _read_json(p["status_file"])
+        module.exit_json(changed=bool(restart), pids=pids, restarted=restart, status=status)
+
+    os.makedirs(run_dir, exist_ok=True)
+    os.makedirs(p["device_plugin_dir"], exist_ok=True)
+    sim_log = os.path.join(run_dir, "kubelet-sim.log")
+    plugin_log = os.path.join(run_dir, "plugin.log")
+    _stop(pids["plugin"])
+    before = {}
+    if "simulator" in restart:
+        _stop(pids["simulator"])
+        if os.path.exists(p["status_file"]):
+            os.unlink(p["status_file"])
+        pids["simulator"] = _start(sim_cmd, sim_log)
+        deadline = time.monotonic() + p["timeout"]
+        while not os.path.exists(p["status_file"]):
+            if time.monotonic() > deadline or not _running(pids["simulator"]):
+                module.fail_json(msg=f"the kubelet simulator did not start; {sim_log}:\n{_log_tail(sim_log)}", pids=pids)
+            time.sleep(0.05)
+    else:
+        before = _read_json(p["status_file"]).get("registrations", {})
+    pids["plugin"] = _start(plugin_cmd, plugin_log)
+
+    deadline = time.monotonic() + p["timeout"]
+    status = {}
+    while True:
+        status = _read_json(p["status_file"])
+        regs = status.get("registrations", {})
+        if all(r in status.get("registered", []) and regs.get(r, 0) > before.get(r, 0) for r in resources):
+            break
+        if time.monotonic() > deadline or not _running(pids["plugin"]):
+            module.fail_json(
+                msg=f"the plugin did not register {', '.join(resources)} with the kubelet simulator within "
+                f"{p['timeout']}s; {plugin_log}:\n{_log_tail(plugin_log)}",
+                pids=pids,
+                status=status,
+            )
+        time.sleep(0.05)
+    # Let the first ListAndWatch snapshot land in the status file.
+    time.sleep(0.3)
+    status = _read_json(p["status_file"])
+
+    with open(state_path, "w", encoding="utf-8") as fh:
+        json.dump(
+            {
+                "simulator": {"pid": pids["simulator"], "fingerprint": sim_fp, "cmd": sim_cmd, "log": sim_log},
+                "plugin": {"pid": pids["plugin"], "fingerprint": plugin_fp, "cmd": plugin_cmd, "log": plugin_log},
+            },
+            fh,
+            indent=2,
+        )
+    module.exit_json(changed=True, pids=pids, restarted=restart, status=status)
+
+
+if __name__ == "__main__":
+    main()
