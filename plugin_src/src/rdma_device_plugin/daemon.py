@@ -68,9 +68,7 @@ class Discovery:
         # A selected NIC whose uverbs node is not there yet (udev still creating it) is
         # re-read at every probe, so it becomes usable without waiting for the rediscovery timer.
         self._incomplete = any(
-            nic.uverbs is None or not nic.uverbs.present
-            for pool in self.pools
-            for nic in pool.selectors.select(nics)
+            nic.uverbs is None or not nic.uverbs.present for pool in self.pools for nic in pool.selectors.select(nics)
         )
         self._names = [n.name for n in nics]
         self._last_full = time.monotonic()
