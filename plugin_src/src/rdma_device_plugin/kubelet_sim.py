@@ -1,4 +1,4 @@
-"""A kubelet stand-in for tests, benchmarks and the demo (no cluster exists here).
+"""A kubelet stand-in for tests, benchmarks and the local default (no cluster exists here).
 
 It speaks the real v1beta1 protocol over real unix sockets and behaves as the kubelet's
 device manager does (see docs/kubelet-simulator.md): serves Registration on

@@ -1,7 +1,7 @@
 """Write kernel-shaped fixture nodes: sysfs, procfs and /dev trees, symlinks included.
 
 There is no RDMA hardware on development and CI machines, so tests, molecule scenarios
-and the demo point every reader at a tree written here. The layout follows the kernel
+and the local default point every reader at a tree written here. The layout follows the kernel
 (see docs/design.md and rdma-sysfs.md): ``class/*`` entries are symlinks into
 ``devices/pci0000:00/...``, ``device`` and ``driver`` are symlinks, char devices are
 found through ``ibdev`` files and their numbering deliberately does not follow the RDMA

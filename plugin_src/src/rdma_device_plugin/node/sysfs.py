@@ -1,7 +1,7 @@
 """The one reader of a node's RDMA NICs from sysfs (and char devices from /dev).
 
 Everything that looks at a node -- the plugin, the Ansible validation roles (through
-``module_utils``), the demo -- reads it through this module, so it must stay
+``module_utils``), the local default -- reads it through this module, so it must stay
 standard-library only. Every function takes the roots as parameters so tests and
 molecule can point them at fixture trees laid out exactly like the kernel's,
 symlinks included.
