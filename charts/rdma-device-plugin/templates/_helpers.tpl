@@ -48,7 +48,11 @@ app.kubernetes.io/part-of: rdma-device-plugin
 {{- end }}
 
 {{- define "rdma-device-plugin.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
 {{- end }}
 
 {{/*

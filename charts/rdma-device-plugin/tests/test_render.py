@@ -204,6 +204,14 @@ def test_image_tag_defaults_to_app_version() -> None:
         assert ds["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.1.0")
 
 
+def test_image_digest_pins_the_pull_and_keeps_the_tag_label() -> None:
+    digest = "sha256:" + "ab" * 32
+    values = {"image": {"repository": "127.0.0.1:5000/rdma-device-plugin", "tag": "0.1.0", "digest": digest}}
+    for ds in daemonsets(values).values():
+        assert ds["spec"]["template"]["spec"]["containers"][0]["image"] == f"127.0.0.1:5000/rdma-device-plugin@{digest}"
+        assert ds["metadata"]["labels"]["app.kubernetes.io/version"] == "0.1.0"
+
+
 # ------------------------------------------------------------------ helm test pod
 
 
