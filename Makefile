@@ -30,6 +30,7 @@ demo: setup ## the main job on the local default: validate, deploy and verify a 
 lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
 	cd plugin_src && $(BIN)/mypy
+	$(BIN)/ruff check --config plugin_src/pyproject.toml bench && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench
 	$(BIN)/ruff check --select F,E9 library  # modules run on nodes: pyflakes-level checks only
 	$(BIN)/yamllint -s .
 	bash scripts/check-proto.sh

@@ -23,7 +23,6 @@ from typing import Any
 
 import grpc
 import yaml
-
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.kubelet_sim import KubeletSimulator

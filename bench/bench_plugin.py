@@ -199,6 +199,37 @@ def bench_latency(out: list[str], quick: bool) -> None:
         out.append("")
 
 
+def bench_shared_latency(out: list[str], quick: bool) -> None:
+    """Shared mode: Allocate of one of 1000 devices hands out every NIC's uverbs + rdma_cm."""
+    total = 600 if quick else 3000
+    with Rig(lingjun_spec(8), {}) as rig:
+
+        def noop() -> Any:
+            return pb.Empty()
+
+        def allocate() -> Any:
+            req = pb.AllocateRequest()
+            req.container_requests.add(devices_ids=["hca-0"])
+            return req
+
+        out += [
+            "### RPC latency (shared mode, 8 NICs, 1000 devices, ms)",
+            "",
+            "| callers | RPC | calls | p50 | p99 | p50 / no-op p50 | p99 / no-op p99 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for concurrency in (1, 8):
+            base = measure_rpc(rig, "GetDevicePluginOptions", noop, concurrency, total)
+            lat = measure_rpc(rig, "Allocate", allocate, concurrency, total)
+            b50, b99, p50, p99 = pct(base, 50), pct(base, 99), pct(lat, 50), pct(lat, 99)
+            noop_name = "GetDevicePluginOptions (no-op)"
+            out.append(f"| {concurrency} | {noop_name} | {len(base)} | {ms(b50)} | {ms(b99)} | 1.00 | 1.00 |")
+            out.append(
+                f"| {concurrency} | Allocate | {len(lat)} | {ms(p50)} | {ms(p99)} | {p50 / b50:.2f} | {p99 / b99:.2f} |"
+            )
+        out.append("")
+
+
 # --------------------------------------------------------------------------- snapshots
 
 
@@ -356,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     cmd = " ".join(["bench/bench_plugin.py", *(argv if argv is not None else sys.argv[1:])])
     out = ["## Machine", "", *machine(), "", f"Command: `.venv/bin/python {cmd}`", ""]
-    for section in (bench_latency, bench_snapshots, bench_idle, bench_recovery):
+    for section in (bench_shared_latency, bench_latency, bench_snapshots, bench_idle, bench_recovery):
         section(out, args.quick)
         print(f"... {section.__name__} done after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     out.append(f"Total benchmark time: {time.monotonic() - started:.0f} s.")
