@@ -37,15 +37,18 @@ lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	if [ -d roles ] && ls roles/*/tasks >/dev/null 2>&1; then $(BIN)/ansible-lint; fi
 
 test-plugin: setup ## plugin unit and integration tests (real gRPC over unix sockets)
-	$(PY) -m pytest plugin_src/tests
+	$(PY) -m pytest plugin_src/tests --junitxml=out/test-results/plugin.xml
 
 test-chart: setup ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL)
-	if [ -d charts/rdma-device-plugin/tests ]; then $(PY) -m pytest charts/rdma-device-plugin/tests; fi
+	$(PY) -m pytest charts/rdma-device-plugin/tests --junitxml=out/test-results/chart.xml
 
 test-molecule: setup system-deps ## every molecule scenario, for real on localhost
 	bash scripts/run-molecule.sh
 
-test: setup system-deps lint test-plugin test-chart test-molecule ## everything CI runs
+test: setup system-deps ## everything CI runs; ends with one "N passed, N failed" line
+	rm -rf out/test-results
+	$(MAKE) --no-print-directory lint test-plugin test-chart test-molecule
+	$(PY) scripts/test-summary.py out/test-results
 
 image: setup system-deps ## build the image with buildah and push it to a registry on 127.0.0.1 (the plugin-image scenario)
 	bash scripts/make-base-image.sh && $(BIN)/molecule test -s plugin-image
