@@ -1,0 +1,74 @@
+"""The rendered DaemonSets start the plugin the way its own CLI understands, with every path mounted."""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+import pytest
+from conftest import CASES, daemonsets
+
+from rdma_device_plugin.cli import build_parser
+
+PATH_FLAGS = ("config", "dev_root", "procfs_root", "device_plugin_dir", "cdi_dir")
+# What the node reader opens under the sysfs root (class links resolve into devices/, driver
+# links into bus/, module/ tells loaded modules and netns mode).
+SYSFS_NEEDS = ("class/infiniband", "class/infiniband_verbs", "class/infiniband_mad", "class/net", "devices", "bus/pci", "module")
+
+
+def _mount_for(path: str, mounts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The deepest volumeMount that contains ``path``."""
+    best = None
+    for m in mounts:
+        mp = m["mountPath"].rstrip("/")
+        if (path == mp or path.startswith(mp + "/")) and (best is None or len(mp) > len(best["mountPath"])):
+            best = m
+    return best
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+def test_args_parse_and_paths_are_mounted(case: str, mode: str) -> None:
+    ds = daemonsets(CASES[case])[mode]
+    pod = ds["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = build_parser().parse_args(container["args"])  # argparse exits on an unknown flag
+    assert args.command == "serve"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = container["volumeMounts"]
+    for sub in SYSFS_NEEDS:
+        mount = _mount_for(f"{args.sysfs_root}/{sub}", mounts)
+        assert mount is not None, f"{case}/{mode}: {args.sysfs_root}/{sub} is not mounted"
+        volume = volumes[mount["name"]]
+        assert mount.get("readOnly") is True and "hostPath" in volume
+        # the mount maps the host's /sys subtree to the same place under the sysfs root
+        rel = posixpath.relpath(mount["mountPath"], args.sysfs_root)
+        assert volume["hostPath"]["path"].rstrip("/") == f"/sys/{rel}", f"{case}/{mode}: {sub}"
+    for flag in PATH_FLAGS:
+        path = getattr(args, flag)
+        if flag == "cdi_dir" and "--cdi-dir" not in container["args"]:
+            continue
+        if flag == "procfs_root" and path == "/proc":
+            assert pod["hostNetwork"] is True  # the container's own /proc/net is the node's
+            continue
+        mount = _mount_for(path, mounts)
+        assert mount is not None, f"{case}/{mode}: --{flag.replace('_', '-')} {path} is not on any volumeMount"
+        volume = volumes[mount["name"]]
+        if flag == "config":
+            assert "configMap" in volume and posixpath.dirname(path) == mount["mountPath"].rstrip("/")
+        elif flag in ("device_plugin_dir", "cdi_dir"):
+            # the plugin writes here: a host directory, mounted read-write
+            assert "hostPath" in volume and not mount.get("readOnly", False), f"{case}/{mode}: {flag}"
+        else:
+            assert "hostPath" in volume and mount.get("readOnly") is True, f"{case}/{mode}: {flag} must be read-only"
+
+
+@pytest.mark.parametrize(("case", "host"), [("defaults", "/var/lib/kubelet/device-plugins"),
+                                            ("k3s", "/var/lib/rancher/k3s/agent/kubelet/device-plugins")])
+def test_device_plugin_dir_is_the_kubelets(case: str, host: str) -> None:
+    pod = daemonsets(CASES[case])["shared"]["spec"]["template"]["spec"]
+    args = build_parser().parse_args(pod["containers"][0]["args"])
+    mount = _mount_for(args.device_plugin_dir, pod["containers"][0]["volumeMounts"])
+    assert mount is not None
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["hostPath"]["path"].rstrip("/") == host
