@@ -44,6 +44,15 @@ options:
     description: Module whose C(version) file is the driver (OFED) version.
     type: str
     default: mlx5_core
+  ipv6_netns_mode:
+    description: RDMA subsystem netns mode the C(netns_mode) check of C(ipv6_checks) wants.
+    type: str
+    choices: [shared, exclusive]
+    default: shared
+  ipv6_roce_v2_gid:
+    description: Whether C(ipv6_checks) requires a RoCE v2 GID carrying each global IPv6 address (Ethernet NICs).
+    type: bool
+    default: true
 """
 
 EXAMPLES = r"""
@@ -94,12 +103,23 @@ node:
         with C(gid) and C(roce_v2_gid_index), null when no RoCE v2 GID carries it) and
         C(routes) through the netdev (link-local and host routes excluded).
       type: dict
+    ipv6_checks:
+      description: >-
+        The IPv6 compute-network checks of the selected NICs, computed by the plugin's own
+        C(rdma_device_plugin.node.ipv6checks) (the one implementation; the plugin runs the same
+        at start): every applicable check with C(name) (C(netns_mode), C(ipv6_compute_netdevs),
+        C(ipv6_enabled), C(ipv6_global_address), C(ipv6_route), C(roce_v2_gid)), C(nic) and
+        C(netdev) (null for node-wide checks), C(passed), C(problem) and C(fix) (empty when
+        passed) and C(message) (C(<nic> (<netdev>): ...), with C(. Fix: ...) when failed).
+      type: list
+      elements: dict
 """
 
+import json
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.rdma_node import procfs, selectors, sysfs
+from ansible.module_utils.rdma_node import ipv6checks, selectors, sysfs
 
 
 def _nic_data(nic: sysfs.Nic) -> dict[str, Any]:
@@ -115,30 +135,25 @@ def _nic_data(nic: sysfs.Nic) -> dict[str, Any]:
     return data
 
 
-def _ipv6(procfs_root: str, netdev: str, nics: list[sysfs.Nic]) -> dict[str, Any]:
-    roce_v2 = {}
+def _ipv6(netdev: str, state: ipv6checks.NetdevIpv6, nics: list[sysfs.Nic]) -> dict[str, Any]:
+    roce_v2: dict[str, int] = {}
     for nic in nics:
-        for port in nic.ports:
-            for gid in port.gids:
-                if gid.type == "RoCE v2" and gid.is_ipv6 and gid.ndev in ("", netdev):
-                    roce_v2.setdefault(gid.gid, gid.index)
-    addresses = [
-        {
-            "address": a.address,
-            "prefix_len": a.prefix_len,
-            "gid": a.gid,
-            "roce_v2_gid_index": roce_v2.get(a.gid),
-        }
-        for a in procfs.global_addresses(procfs_root, netdev)
-    ]
-    routes = [
-        {"destination": r.destination, "prefix_len": r.prefix_len, "next_hop": r.next_hop}
-        for r in procfs.routes_via(procfs_root, netdev)
-    ]
+        for gid, index in ipv6checks.roce_v2_gids(nic, netdev).items():
+            roce_v2.setdefault(gid, index)
     return {
-        "disabled": procfs.ipv6_disabled(procfs_root, netdev),
-        "addresses": addresses,
-        "routes": routes,
+        "disabled": state.disabled,
+        "addresses": [
+            {
+                "address": a.address,
+                "prefix_len": a.prefix_len,
+                "gid": a.gid,
+                "roce_v2_gid_index": roce_v2.get(a.gid),
+            }
+            for a in state.addresses
+        ],
+        "routes": [
+            {"destination": r.destination, "prefix_len": r.prefix_len, "next_hop": r.next_hop} for r in state.routes
+        ],
     }
 
 
@@ -155,6 +170,8 @@ def main() -> None:
                 "default": ["mlx5_core", "mlx5_ib", "ib_core", "ib_uverbs", "rdma_ucm"],
             },
             "version_module": {"type": "str", "default": "mlx5_core"},
+            "ipv6_netns_mode": {"type": "str", "choices": ["shared", "exclusive"], "default": "shared"},
+            "ipv6_roce_v2_gid": {"type": "bool", "default": True},
         },
         supports_check_mode=True,
     )
@@ -170,6 +187,17 @@ def main() -> None:
     for nic in selected:
         for netdev in nic.compute_netdevs:
             compute.setdefault(netdev, []).append(nic)
+    netns_mode = sysfs.netns_mode(p["sysfs_root"])
+    netdevs = ipv6checks.read_netdevs(p["procfs_root"], selected)
+    checks = ipv6checks.check(
+        selected,
+        netns_mode=netns_mode,
+        ib_core_loaded=sysfs.loaded_modules(p["sysfs_root"], ["ib_core"])["ib_core"],
+        netdevs=netdevs,
+        want_netns_mode=p["ipv6_netns_mode"],
+        roce_v2_gid=p["ipv6_roce_v2_gid"],
+        selection="the selectors " + json.dumps(p["selectors"] or {}),
+    )
     cm = sysfs.rdma_cm(p["dev_root"])
     module.exit_json(
         changed=False,
@@ -185,9 +213,10 @@ def main() -> None:
             ],
             "modules": sysfs.loaded_modules(p["sysfs_root"], p["modules"]),
             "driver_version": sysfs.module_version(p["sysfs_root"], p["version_module"]),
-            "netns_mode": sysfs.netns_mode(p["sysfs_root"]),
+            "netns_mode": netns_mode,
             "rdma_cm": {"name": cm.name, "path": cm.node_path, "present": cm.present},
-            "ipv6": {netdev: _ipv6(p["procfs_root"], netdev, owners) for netdev, owners in compute.items()},
+            "ipv6": {netdev: _ipv6(netdev, netdevs[netdev], owners) for netdev, owners in compute.items()},
+            "ipv6_checks": [c.to_dict() for c in checks],
         },
     )
 
