@@ -64,6 +64,15 @@ class PluginProcess:
         return rc, time.monotonic() - start
 
 
+def serve_command(fx: fixtures.FixtureNode, dp_dir: Path, config: Path | None = None, *extra: str) -> list[str]:
+    """The real ``rdma-device-plugin serve`` command line for a fixture node."""
+    cmd = [sys.executable, "-m", "rdma_device_plugin", "serve", "--sysfs-root", fx.sysfs, "--dev-root", fx.dev]
+    cmd += ["--procfs-root", fx.procfs, "--device-plugin-dir", str(dp_dir)]
+    if config is not None:
+        cmd += ["--config", str(config)]
+    return cmd + list(extra)
+
+
 @pytest.fixture
 def start_plugin(short_tmp: Path, node: fixtures.FixtureNode, dp_dir: Path) -> Iterator[Callable[..., PluginProcess]]:
     procs: list[PluginProcess] = []
@@ -73,28 +82,11 @@ def start_plugin(short_tmp: Path, node: fixtures.FixtureNode, dp_dir: Path) -> I
         extra: list[str] | None = None,
         fixture: fixtures.FixtureNode | None = None,
     ) -> PluginProcess:
-        fx = fixture or node
-        cmd = [
-            sys.executable,
-            "-m",
-            "rdma_device_plugin",
-            "serve",
-            "--sysfs-root",
-            fx.sysfs,
-            "--dev-root",
-            fx.dev,
-            "--procfs-root",
-            fx.procfs,
-            "--device-plugin-dir",
-            str(dp_dir),
-            "--log-level",
-            "debug",
-        ]
+        cfg = None
         if config is not None:
             cfg = short_tmp / f"config{len(procs)}.yaml"
             cfg.write_text(yaml.safe_dump(config), encoding="utf-8")
-            cmd += ["--config", str(cfg)]
-        cmd += extra or []
+        cmd = serve_command(fixture or node, dp_dir, cfg, "--log-level", "debug", *(extra or []))
         log = short_tmp / f"plugin{len(procs)}.log"
         fh = open(log, "w", encoding="utf-8")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(

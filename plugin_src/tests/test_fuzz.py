@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +34,7 @@ from unittest import mock
 
 import pytest
 import yaml
+from conftest import serve_command
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -464,20 +464,7 @@ def test_serve_with_garbage_sysfs_keeps_serving_and_marks_broken_nics_unhealthy(
     log = short_tmp / "bad.log"
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rdma_device_plugin",
-                "serve",
-                "--config",
-                str(cfg),
-                "--sysfs-root",
-                fx.sysfs,
-                "--dev-root",
-                fx.dev,
-                "--device-plugin-dir",
-                str(dp_dir),
-            ],
+            serve_command(fx, dp_dir, cfg),
             stdout=out,
             stderr=subprocess.STDOUT,
         )

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from conftest import serve_command
 from prometheus_client.parser import text_string_to_metric_families
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
@@ -85,10 +85,7 @@ def test_metrics_off_by_default(sim: KubeletSimulator, start_plugin) -> None:  #
 
 def test_bad_metrics_address_exits_2(node: fixtures.FixtureNode, dp_dir: Path) -> None:
     proc = subprocess.run(
-        [
-            *(sys.executable, "-m", "rdma_device_plugin", "serve", "--sysfs-root", node.sysfs, "--dev-root", node.dev),
-            *("--device-plugin-dir", str(dp_dir), "--metrics-address", "nowhere"),
-        ],
+        serve_command(node, dp_dir, None, "--metrics-address", "nowhere"),
         capture_output=True,
         text=True,
         timeout=30,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import serve_command
 
 from rdma_device_plugin import netchecks
 from rdma_device_plugin.kubelet_sim import KubeletSimulator
@@ -92,24 +92,7 @@ def test_default_env_and_override_order() -> None:
 
 def _serve(node: fixtures.FixtureNode, dp_dir: Path, cfg: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rdma_device_plugin",
-            "serve",
-            "--config",
-            str(cfg),
-            "--sysfs-root",
-            node.sysfs,
-            "--dev-root",
-            node.dev,
-            "--procfs-root",
-            node.procfs,
-            "--device-plugin-dir",
-            str(dp_dir),
-            "--cdi-dir",
-            str(dp_dir.parent / "cdi"),
-        ],
+        serve_command(node, dp_dir, cfg, "--cdi-dir", str(dp_dir.parent / "cdi")),
         capture_output=True,
         text=True,
         timeout=30,

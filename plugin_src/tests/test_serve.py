@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import serve_command
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -175,20 +176,7 @@ def test_bad_config_exits_before_serving(
     if config is not None:
         path.write_text(config, encoding="utf-8")
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rdma_device_plugin",
-            "serve",
-            "--config",
-            str(path),
-            "--sysfs-root",
-            node.sysfs,
-            "--dev-root",
-            node.dev,
-            "--device-plugin-dir",
-            str(dp_dir),
-        ],
+        serve_command(node, dp_dir, path),
         capture_output=True,
         text=True,
         timeout=30,
