@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from .node.sysfs import NODE_DEV_DIR, RDMA_CM, CharDevice, Nic
+from .node.sysfs import NODE_DEV_DIR, RDMA_CM, Nic
 
 LOG = logging.getLogger(__name__)
 
@@ -55,15 +55,6 @@ def device_name(nic: Nic) -> str:
     return nic.name
 
 
-def _chars(nic: Nic, umad: bool, issm: bool) -> list[CharDevice]:
-    chars: list[CharDevice] = [nic.uverbs] if nic.uverbs is not None and nic.uverbs.present else []
-    if umad:
-        chars.extend(c for c in nic.umad if c.present)
-    if issm:
-        chars.extend(c for c in nic.issm if c.present)
-    return chars
-
-
 def _node(path: str) -> dict[str, Any]:
     return {"path": path, "hostPath": path, "type": "c", "permissions": "rw"}
 
@@ -75,11 +66,11 @@ def build_spec(kind: str, mode: str, nics: Sequence[Nic], umad: bool = False, is
     spec: dict[str, Any] = {"cdiVersion": CDI_VERSION, "kind": kind, "devices": []}
     if mode == "shared":
         if usable:
-            nodes = [_node(c.node_path) for n in usable for c in _chars(n, umad, issm)]
+            nodes = [_node(c.node_path) for n in usable for c in n.char_devices(umad, issm)]
             spec["devices"].append({"name": SHARED_DEVICE, "containerEdits": {"deviceNodes": [*nodes, rdma_cm]}})
     else:
         for nic in usable:
-            nodes = [_node(c.node_path) for c in _chars(nic, umad, issm)]
+            nodes = [_node(c.node_path) for c in nic.char_devices(umad, issm)]
             spec["devices"].append({"name": device_name(nic), "containerEdits": {"deviceNodes": nodes}})
         spec["containerEdits"] = {"deviceNodes": [rdma_cm]}
     return spec

@@ -55,7 +55,6 @@ class Discovery:
         self._problems: dict[str, tuple[str, ...]] = {}
         self._incomplete = False
         self._last_full = 0.0
-        self.rediscoveries = 0
 
     def full(self) -> list[sysfs.Nic]:
         nics = sysfs.read_nics(self.sysfs_root, self.dev_root)
@@ -65,17 +64,16 @@ class Discovery:
                 for problem in found:
                     LOG.warning("NIC problem", extra={"nic": name, "problem": problem})
         self._problems = problems
-        # A selected NIC whose uverbs node is not there yet (udev still creating it) is
-        # re-read at every probe, so it becomes usable without waiting for the rediscovery timer.
-        self._incomplete = any(
-            nic.uverbs is None or not nic.uverbs.present for pool in self.pools for nic in pool.selectors.select(nics)
-        )
         self._names = [n.name for n in nics]
         self._last_full = time.monotonic()
-        self.rediscoveries += 1
         for pool in self.pools:
             if pool.set_nics(nics):
                 LOG.info("devices changed", extra={"resource": pool.name, "nics": pool.nic_summary()})
+        # A selected NIC whose uverbs node is not there yet (udev still creating it) is
+        # re-read at every probe, so it becomes usable without waiting for the rediscovery timer.
+        self._incomplete = any(
+            nic.uverbs is None or not nic.uverbs.present for pool in self.pools for nic in pool.present_nics()
+        )
         self.hooks.rediscovered()
         if self.verbs is not None and self.verbs.available():
             self._apply_states(self.port_states(self._names))
@@ -303,7 +301,7 @@ class Supervisor:
 def serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     hooks: Hooks | None = None
-    metrics_address = getattr(args, "metrics_address", "")
+    metrics_address = args.metrics_address
     if metrics_address:
         from .metrics import MetricsHooks
 
@@ -323,8 +321,8 @@ def serve(args: argparse.Namespace) -> int:
         args.dev_root,
         args.device_plugin_dir,
         hooks,
-        procfs_root=getattr(args, "procfs_root", "/proc"),
-        cdi_dir=getattr(args, "cdi_dir", None) if config.cdi.enabled else None,
+        procfs_root=args.procfs_root,
+        cdi_dir=args.cdi_dir if config.cdi.enabled else None,
         config_path=args.config,
         verbs=verbs,
     )

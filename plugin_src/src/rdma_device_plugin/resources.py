@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from . import cdi, netchecks
 from .config import PluginConfig, ResourceConfig
 from .node.selectors import Selectors
-from .node.sysfs import ACTIVE_STATES, CharDevice, Nic
+from .node.sysfs import ACTIVE_STATES, Nic
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -93,6 +93,8 @@ class ResourcePool:
         self._health: dict[str, NicHealth] = {}
         self._version = 0
         self._devices: tuple[Device, ...] = ()
+        self._device_ids: frozenset[str] = frozenset()  # derived from _devices, for Allocate
+        self._shared_allocation: ContainerAllocation | None = None  # shared mode: the same for every pod
         self._closed = False
         short = self.name.split("/", 1)[1]
         self._shared_ids = tuple(f"{short}-{i}" for i in range(resource.shared_devices))
@@ -104,6 +106,7 @@ class ResourcePool:
         selected = {n.name: n for n in self.selectors.select(nics)}
         with self._lock:
             self._nics = selected
+            self._shared_allocation = None  # char devices may have changed
             for name, nic in selected.items():
                 self._seen[name] = nic
                 self._health[name] = NicHealth(True, tuple(p.state for p in nic.ports))
@@ -145,6 +148,7 @@ class ResourcePool:
         if devices == self._devices:
             return False
         self._devices = devices
+        self._device_ids = frozenset(d.id for d in devices)
         self._version += 1
         self._lock.notify_all()
         return True
@@ -155,6 +159,8 @@ class ResourcePool:
         usable = [self._nic_usable(name) for name in self._seen]
         ok = all(usable) if self.policy == "all" else any(usable)
         health = HEALTHY if ok else UNHEALTHY
+        if self._devices and self._devices[0].health == health:
+            return self._devices  # unchanged: no need to rebuild (and compare) every device at each probe
         return tuple(Device(i, health) for i in self._shared_ids)
 
     def snapshot(self) -> tuple[int, tuple[Device, ...]]:
@@ -189,35 +195,29 @@ class ResourcePool:
 
     def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
         with self._lock:
-            known = {d.id for d in self._devices}
-            unknown = [d for d in device_ids if d not in known]
+            unknown = [d for d in device_ids if d not in self._device_ids]
             if unknown:
                 raise AllocationError(f"unknown device ID(s) {unknown} for resource {self.name}")
             if not device_ids:
                 raise AllocationError(f"empty device list for resource {self.name}")
             if self.mode == "shared":
-                nics = [self._nics[n] for n in sorted(self._nics)]
-            else:
-                by_pci = {nic.pci_address: nic for nic in self._seen.values()}
-                nics = [by_pci[d] for d in device_ids]
-                gone = [n.pci_address for n in nics if n.name not in self._nics]
-                if gone:
-                    raise AllocationError(f"NIC(s) {gone} of resource {self.name} are no longer present")
-                nics = [self._nics[n.name] for n in nics]
-            nics = [n for n in nics if n.uverbs is not None and n.uverbs.present]
-            if not nics:
-                raise AllocationError(f"no RDMA NIC of resource {self.name} is present on the node")
-            return self._container_allocation(nics)
+                if self._shared_allocation is None:
+                    self._shared_allocation = self._allocation_of([self._nics[n] for n in sorted(self._nics)])
+                return self._shared_allocation
+            by_pci = {nic.pci_address: nic for nic in self._seen.values()}
+            gone = [d for d in device_ids if by_pci[d].name not in self._nics]
+            if gone:
+                raise AllocationError(f"NIC(s) {gone} of resource {self.name} are no longer present")
+            return self._allocation_of([self._nics[by_pci[d].name] for d in device_ids])
+
+    def _allocation_of(self, nics: list[Nic]) -> ContainerAllocation:
+        nics = [n for n in nics if n.uverbs is not None and n.uverbs.present]
+        if not nics:
+            raise AllocationError(f"no RDMA NIC of resource {self.name} is present on the node")
+        return self._container_allocation(nics)
 
     def _container_allocation(self, nics: list[Nic]) -> ContainerAllocation:
-        chars: list[CharDevice] = []
-        for nic in nics:
-            assert nic.uverbs is not None
-            chars.append(nic.uverbs)
-            if self.with_umad:
-                chars.extend(c for c in nic.umad if c.present)
-            if self.with_issm:
-                chars.extend(c for c in nic.issm if c.present)
+        chars = [c for nic in nics for c in nic.char_devices(self.with_umad, self.with_issm)]
         specs = [DeviceSpec(c.node_path, c.node_path) for c in chars]
         specs.append(DeviceSpec(RDMA_CM_PATH, RDMA_CM_PATH))
         names = tuple(n.name for n in nics)

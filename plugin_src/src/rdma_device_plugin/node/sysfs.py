@@ -125,6 +125,16 @@ class Nic:
             owners.append(self.netdevs[0])
         return tuple(owners)
 
+    def char_devices(self, umad: bool = False, issm: bool = False) -> list[CharDevice]:
+        """The char devices a container using this NIC gets: its uverbs (when present under the
+        dev root), plus its umad/issm devices when asked for."""
+        chars = [self.uverbs] if self.uverbs is not None and self.uverbs.present else []
+        if umad:
+            chars.extend(c for c in self.umad if c.present)
+        if issm:
+            chars.extend(c for c in self.issm if c.present)
+        return chars
+
     @property
     def all_ports_active(self) -> bool:
         return bool(self.ports) and all(p.active for p in self.ports)
