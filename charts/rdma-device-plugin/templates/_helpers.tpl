@@ -149,15 +149,17 @@ next to privileged.
 {{- end }}
 
 {{/*
-CEL: does the pod expression (e.g. "object") request any of the plugin's resources, in limits or
-requests, of any container or initContainer? Call with (dict "root" $ "obj" "object").
-Kept to has()/exists()/in so that both Kubernetes CEL and cel-python (the chart tests) evaluate it.
+CEL over the containers and initContainers of the pod expression (e.g. "object") that request any of
+the plugin's resources, in limits or requests. Call with (dict "root" $ "obj" "object" "op" "exists"):
+op "exists" gives a bool (does the pod request RDMA?), op "filter" the list of those containers.
+Kept to has()/exists()/filter()/in so that both Kubernetes CEL and cel-python (the chart tests)
+evaluate it.
 */}}
-{{- define "rdma-device-plugin.celRequestsRdma" -}}
+{{- define "rdma-device-plugin.celRdmaContainers" -}}
 {{- $o := .obj }}
 {{- $names := include "rdma-device-plugin.resourceNames" .root | fromJsonArray }}
 {{- $r := include "rdma-device-plugin.celList" $names }}
-{{- printf "(has(%s.spec.initContainers) ? %s.spec.containers + %s.spec.initContainers : %s.spec.containers).exists(c, has(c.resources) && ((has(c.resources.limits) && %s.exists(r, r in c.resources.limits)) || (has(c.resources.requests) && %s.exists(r, r in c.resources.requests))))" $o $o $o $o $r $r }}
+{{- printf "(has(%s.spec.initContainers) ? %s.spec.containers + %s.spec.initContainers : %s.spec.containers).%s(c, has(c.resources) && ((has(c.resources.limits) && %s.exists(r, r in c.resources.limits)) || (has(c.resources.requests) && %s.exists(r, r in c.resources.requests))))" $o $o $o $o .op $r $r }}
 {{- end }}
 
 {{/* A CEL list literal of strings: ['a', 'b']. */}}

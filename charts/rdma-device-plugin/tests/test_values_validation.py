@@ -25,6 +25,15 @@ def render_error(values: dict, chart: helm_python.Chart | None = None) -> str:
     return str(info.value)
 
 
+def assert_problems(message: str, *needles: str) -> None:
+    """The one collected fail of _validate.tpl: exactly len(needles) problems, one line each (each line
+    says how to fix it), and every needle among them."""
+    assert f"rdma-device-plugin: {len(needles)} problem(s) in the values" in message
+    assert message.count("\n  - ") == len(needles)
+    for needle in needles:
+        assert needle in message
+
+
 @pytest.mark.parametrize(
     "values,needle",
     [
@@ -98,20 +107,20 @@ def test_combinations_collected_into_one_fail() -> None:
             "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True},
         }
     )
-    assert "rdma-device-plugin: 6 problem(s) in the values" in message
-    assert "metrics.serviceMonitor.enabled=true needs metrics.enabled=true" in message
-    assert "Deny and Warn together are rejected by Kubernetes" in message
-    assert 'extraResources[1]: resource name "rdma/hca" is already used by resourceName/sharedDevices' in message
-    assert 'extraResources[2]: resource name "rdma/ib" is already used by extraResources[0]' in message
-    assert "privileged=true with securityContext.allowPrivilegeEscalation=false is rejected" in message
-    assert "securityContext.runAsNonRoot=true cannot work" in message
-    # each line says how to fix it
-    assert message.count("\n  - ") == 6
+    assert_problems(
+        message,
+        "metrics.serviceMonitor.enabled=true needs metrics.enabled=true",
+        "Deny and Warn together are rejected by Kubernetes",
+        'extraResources[1]: resource name "rdma/hca" is already used by resourceName/sharedDevices',
+        'extraResources[2]: resource name "rdma/ib" is already used by extraResources[0]',
+        "privileged=true with securityContext.allowPrivilegeEscalation=false is rejected",
+        "securityContext.runAsNonRoot=true cannot work",
+    )
 
 
 def test_single_combination() -> None:
     message = render_error({"metrics": {"serviceMonitor": {"enabled": True}}})
-    assert "1 problem(s)" in message and "set metrics.enabled=true or metrics.serviceMonitor.enabled=false" in message
+    assert_problems(message, "set metrics.enabled=true or metrics.serviceMonitor.enabled=false")
 
 
 def test_deny_and_warn_fine_when_policy_off() -> None:
@@ -139,14 +148,16 @@ def test_ranges_checked_without_the_schema(schemaless_chart: helm_python.Chart) 
         },
         schemaless_chart,
     )
-    assert "7 problem(s)" in message
-    assert "mode=both: use shared or exclusive" in message
-    assert "resourceName/sharedDevices: sharedDevices=0 is out of range; use a whole number from 1 to 100000" in message
-    assert "extraResources[0]: sharedDevices=100001 is out of range" in message
-    assert 'extraResources[1]: resource name "example.kubernetes.io/x" uses the reserved kubernetes.io domain' in message
-    assert "metrics.port=70000" in message
-    assert 'kubeletDir="var/lib/kubelet" must be an absolute path' in message
-    assert "lists an action twice" in message
+    assert_problems(
+        message,
+        "mode=both: use shared or exclusive",
+        "resourceName/sharedDevices: sharedDevices=0 is out of range; use a whole number from 1 to 100000",
+        "extraResources[0]: sharedDevices=100001 is out of range",
+        'extraResources[1]: resource name "example.kubernetes.io/x" uses the reserved kubernetes.io domain',
+        "metrics.port=70000",
+        'kubeletDir="var/lib/kubelet" must be an absolute path',
+        "lists an action twice",
+    )
 
 
 def test_schemaless_chart_still_renders_good_values(schemaless_chart: helm_python.Chart) -> None:
