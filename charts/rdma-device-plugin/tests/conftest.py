@@ -13,6 +13,7 @@ from typing import Any
 import helm_python
 import pytest
 import yaml
+from helm_python import _native
 
 CHART_DIR = Path(__file__).resolve().parent.parent
 EXAMPLES_DIR = CHART_DIR / "examples"
@@ -79,15 +80,52 @@ def _chart() -> helm_python.Chart:
     return _CHART[0]
 
 
+# What Helm's .Capabilities holds on an install against a real 1.33 cluster with prometheus-operator:
+# discovery lists every group/version AND every group/version/Kind (helm pkg/action GetVersionSet).
+# Offline rendering (helm template, lint) only knows group/versions, never kinds.
+CLUSTER_KUBE_VERSION = "v1.33.0"
+VAP_KINDS = [
+    "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy",
+    "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicyBinding",
+    "admissionregistration.k8s.io/v1/ValidatingWebhookConfiguration",
+]
+MONITORING = ["monitoring.coreos.com/v1", "monitoring.coreos.com/v1/ServiceMonitor"]
+CLUSTER_API_VERSIONS = (*VAP_KINDS, *MONITORING)
+
+
+def render_raw(
+    values: dict[str, Any] | None,
+    kube_version: str | None = CLUSTER_KUBE_VERSION,
+    api_versions: tuple[str, ...] | None = CLUSTER_API_VERSIONS,
+    chart: helm_python.Chart | None = None,
+) -> dict[str, str]:
+    """Render as `helm template --kube-version --api-versions` does. Chart.render does not expose those
+    two options, but the SDK's native helm_render takes them (its render options JSON); None leaves
+    Helm's offline defaults."""
+    opts: dict[str, Any] = {"name": RELEASE, "namespace": NAMESPACE}
+    if kube_version is not None:
+        opts["kube_version"] = kube_version
+    if api_versions is not None:
+        opts["api_versions"] = list(api_versions)
+    chart = chart or _chart()
+    out = _native.call_string("helm_render", chart._raw(), json.dumps(values or {}), json.dumps(opts))
+    rendered: dict[str, str] = json.loads(out)
+    return rendered
+
+
 @lru_cache(maxsize=None)
 def _render_cached(values_json: str) -> tuple[tuple[str, str], ...]:
-    out = _chart().render(json.loads(values_json), name=RELEASE, namespace=NAMESPACE)
-    return tuple(sorted(out.items()))
+    return tuple(sorted(render_raw(json.loads(values_json)).items()))
 
 
 def render(values: dict[str, Any] | None = None) -> dict[str, str]:
-    """Template path -> rendered text, cached per values."""
+    """Template path -> rendered text as installed on a 1.33 cluster (CLUSTER_*), cached per values."""
     return dict(_render_cached(json.dumps(values or {}, sort_keys=True)))
+
+
+def parse(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    """Every object of a render (NOTES.txt excluded)."""
+    return [doc for path, text in rendered.items() if not path.endswith("NOTES.txt") for doc in yaml.safe_load_all(text) if doc]
 
 
 def manifests(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:

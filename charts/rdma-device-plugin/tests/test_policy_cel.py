@@ -11,20 +11,27 @@ from typing import Any, Optional
 import celpy
 import pytest
 from celpy import celtypes
-from conftest import CASES, NAMESPACE, RELEASE, by_kind, daemonsets, example_jobs, manifests, one
+import helm_python
+from conftest import CASES, MONITORING, NAMESPACE, VAP_KINDS, by_kind, daemonsets, example_jobs, manifests, one, parse, render_raw
 
 ENV = celpy.Environment()
 
 
 class Policy:
-    def __init__(self, values: dict[str, Any]) -> None:
+    """One rendered policy (picked by name suffix: -rdma-pods, -rdma-workloads, -rdma-cronjobs) and its binding."""
+
+    def __init__(self, values: dict[str, Any], suffix: str = "-rdma-pods") -> None:
         objs = manifests(values)
-        self.policy = one(objs, "ValidatingAdmissionPolicy")
-        self.binding = one(objs, "ValidatingAdmissionPolicyBinding")
+        self.policy = one(objs, "ValidatingAdmissionPolicy", suffix)
+        self.binding = one(objs, "ValidatingAdmissionPolicyBinding", suffix)
         spec = self.policy["spec"]
         self.conditions = [(c["name"], self._compile(c["expression"])) for c in spec.get("matchConditions", [])]
         self.variables = [(v["name"], self._compile(v["expression"])) for v in spec.get("variables", [])]
-        self.validations = [(v["message"], self._compile(v["expression"])) for v in spec["validations"]]
+        # As the API server does: messageExpression when it evaluates to a non-empty string, else message.
+        self.validations = [
+            (v["message"], self._compile(v["messageExpression"]) if "messageExpression" in v else None, self._compile(v["expression"]))
+            for v in spec["validations"]
+        ]
 
     @staticmethod
     def _compile(expression: str) -> Any:
@@ -40,10 +47,11 @@ class Policy:
     def evaluate(self, pod: dict[str, Any], operation: str = "CREATE", namespace: str = "default",
                  old: Optional[dict[str, Any]] = None) -> Optional[list[str]]:
         """None when the policy does not apply (a matchCondition is false), else the violation messages."""
+        kind = pod.get("kind", "Pod")
         activation: dict[str, Any] = {
             "object": celpy.json_to_cel(pod),
             "oldObject": celpy.json_to_cel(old),
-            "request": celpy.json_to_cel({"operation": operation, "namespace": namespace, "kind": {"group": "", "version": "v1", "kind": "Pod"}}),
+            "request": celpy.json_to_cel({"operation": operation, "namespace": namespace, "kind": {"group": "", "version": "v1", "kind": kind}}),
         }
         for _name, program in self.conditions:
             if not self._run(program, activation):
@@ -52,7 +60,16 @@ class Policy:
         activation["variables"] = variables
         for name, program in self.variables:
             variables[celtypes.StringType(name)] = self._run(program, activation)
-        return [message for message, program in self.validations if not self._run(program, activation)]
+        messages = []
+        for message, message_program, program in self.validations:
+            if self._run(program, activation):
+                continue
+            if message_program is not None:
+                text = str(self._run(message_program, activation))
+                assert text and "\n" not in text and len(text) <= 5000, text  # else the API server falls back
+                message = text
+            messages.append(message)
+        return messages
 
 
 @pytest.fixture(scope="module")
@@ -167,11 +184,42 @@ def test_only_the_requesting_container_needs_ipc_lock(switch_off: Policy) -> Non
     assert switch_off.evaluate(pod) == []
 
 
-def test_cap_prefix_and_privileged_satisfy_ipc_lock(switch_off: Policy) -> None:
-    assert switch_off.evaluate(rdma_pod(caps=["CAP_IPC_LOCK"])) == []
+# containerd's CRI (internal/cri/opts WithCapabilities) adds every capability as "CAP_" + upper(name)
+# and treats "ALL" case-insensitively; CRI-O adds CAP_ only when missing. So these work on both:
+WORKING_SPELLINGS = ["IPC_LOCK", "ipc_lock", "Ipc_Lock", "ALL", "all"]
+
+
+@pytest.mark.parametrize("cap", WORKING_SPELLINGS)
+def test_capability_spellings_the_runtimes_grant(switch_off: Policy, cap: str) -> None:
+    assert switch_off.evaluate(rdma_pod(caps=["SYS_RESOURCE", cap])) == []
+
+
+@pytest.mark.parametrize("cap", ["CAP_IPC_LOCK", "cap_ipc_lock", "CAP_ALL"])
+def test_cap_prefix_is_rejected_with_the_right_spelling(switch_off: Policy, cap: str) -> None:
+    """containerd would start the container with CAP_CAP_IPC_LOCK (or fail): never admit it."""
+    messages = switch_off.evaluate(rdma_pod(caps=[cap]))
+    assert messages, cap
+    text = " ".join(messages)
+    assert f"'{cap}'" in text and "'train'" in text
+    assert "without the CAP_ prefix" in text and "IPC_LOCK" in text
+
+
+def test_cap_prefix_rejected_even_next_to_the_right_spelling(switch_off: Policy) -> None:
+    messages = switch_off.evaluate(rdma_pod(caps=["IPC_LOCK", "CAP_SYS_RESOURCE"]))
+    assert messages and any("'CAP_SYS_RESOURCE'" in m for m in messages)
+
+
+def test_privileged_satisfies_ipc_lock(switch_off: Policy) -> None:
     pod = rdma_pod(caps=None)
     pod["spec"]["containers"][0]["securityContext"] = {"privileged": True}
     assert switch_off.evaluate(pod) == []
+
+
+def test_messages_name_the_offending_container(switch_off: Policy) -> None:
+    pod = rdma_pod()
+    pod["spec"]["containers"].append({"name": "worker-2", "image": "img", "resources": {"limits": {"rdma/hca": 1}}})
+    (message,) = switch_off.evaluate(pod) or [""]
+    assert "'worker-2'" in message and "'train'" not in message and "IPC_LOCK" in message
 
 
 @pytest.mark.parametrize("policy_name", ["switch_off", "switch_on"])
@@ -186,12 +234,20 @@ def test_non_rdma_pods_are_not_evaluated(policy_name: str, request: pytest.Fixtu
 def test_plugin_pods_are_never_evaluated(switch_off: Policy) -> None:
     for ds in daemonsets({}).values():
         pod = {"apiVersion": "v1", "kind": "Pod", **copy.deepcopy(ds["spec"]["template"])}
-        assert switch_off.evaluate(pod, namespace=NAMESPACE) is None
-        # excluded by the first condition even if it requested RDMA
+        assert switch_off.evaluate(pod, namespace=NAMESPACE) is None  # they request no RDMA
+
+
+def test_plugin_labels_buy_no_exemption(switch_off: Policy) -> None:
+    """Anyone who may create pods in the release namespace can copy the plugin's labels: a pod that
+    requests RDMA is validated whatever its labels say."""
+    for ds in daemonsets({}).values():
+        pod = {"apiVersion": "v1", "kind": "Pod", **copy.deepcopy(ds["spec"]["template"])}
+        pod["spec"]["hostNetwork"] = False
         pod["spec"]["containers"][0]["resources"] = {"limits": {"rdma/hca": 1}}
-        assert switch_off.evaluate(pod, namespace=NAMESPACE) is None
-        # ...but the same labels in another namespace buy nothing
-        assert switch_off.evaluate(pod, namespace="team-a")
+        messages = switch_off.evaluate(pod, namespace=NAMESPACE)
+        assert _hostnetwork_denied(messages) and _ipc_lock_denied(messages)
+    for condition in switch_off.policy["spec"]["matchConditions"]:
+        assert "labels" not in condition["expression"] and "namespace" not in condition["expression"]
 
 
 @pytest.mark.parametrize("case", ["defaults", "non-hostnetwork"])
@@ -227,7 +283,6 @@ def test_binding_and_policy_shape(switch_off: Policy) -> None:
     assert spec["failurePolicy"] == "Fail"
     (rule,) = spec["matchConstraints"]["resourceRules"]
     assert rule == {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"], "resources": ["pods"]}
-    assert RELEASE in spec["matchConditions"][0]["expression"]
     assert all("\n" not in v["message"] for v in spec["validations"])  # Kubernetes rejects line breaks
     warn = Policy(CASES["policy-warn-audit"])
     assert warn.binding["spec"]["validationActions"] == ["Warn", "Audit"]
@@ -237,3 +292,107 @@ def test_binding_and_policy_shape(switch_off: Policy) -> None:
 def test_policy_off_renders_nothing() -> None:
     objs = manifests(CASES["policy-off"])
     assert not by_kind(objs, "ValidatingAdmissionPolicy") and not by_kind(objs, "ValidatingAdmissionPolicyBinding")
+
+
+# ------------------------------------------------------------------ workloads: Warn at apply time
+
+# kind -> (apiVersion, path of the pod template in the object)
+WORKLOADS = {
+    "Deployment": ("apps/v1", ("spec", "template")),
+    "StatefulSet": ("apps/v1", ("spec", "template")),
+    "DaemonSet": ("apps/v1", ("spec", "template")),
+    "ReplicaSet": ("apps/v1", ("spec", "template")),
+    "Job": ("batch/v1", ("spec", "template")),
+    "CronJob": ("batch/v1", ("spec", "jobTemplate", "spec", "template")),
+}
+
+
+def workload(kind: str, pod: dict[str, Any]) -> dict[str, Any]:
+    api_version, path = WORKLOADS[kind]
+    obj: dict[str, Any] = {"apiVersion": api_version, "kind": kind, "metadata": {"name": "w"}}
+    node = obj
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = {"metadata": pod["metadata"], "spec": pod["spec"]}
+    return obj
+
+
+def _workload_policy(kind: str, values: dict[str, Any] | None = None) -> Policy:
+    return Policy(values or {}, "-rdma-cronjobs" if kind == "CronJob" else "-rdma-workloads")
+
+
+@pytest.mark.parametrize("kind", sorted(WORKLOADS))
+def test_bad_workload_templates_warn_at_apply_time(kind: str) -> None:
+    policy = _workload_policy(kind)
+    messages = policy.evaluate(workload(kind, rdma_pod(host_network=False, caps=["CAP_IPC_LOCK"])))
+    assert messages is not None and _hostnetwork_denied(messages) and any("'CAP_IPC_LOCK'" in m for m in messages)
+    assert policy.evaluate(workload(kind, rdma_pod())) == []
+    plain = {"metadata": {}, "spec": {"containers": [{"name": "web", "image": "nginx"}]}}
+    assert policy.evaluate(workload(kind, plain)) is None
+    # the pod rule of the seed's Job holds for its template too
+    job_pod = pod_of_job(example_jobs()["rdma-non-hostnetwork-test"])
+    assert _hostnetwork_denied(policy.evaluate(workload(kind, job_pod)))
+
+
+def test_workload_policies_only_warn_and_cover_every_controller() -> None:
+    kinds = set()
+    for suffix in ("-rdma-workloads", "-rdma-cronjobs"):
+        policy = Policy({}, suffix)
+        # Warn, as Pod Security Admission does for templates: the Deny stays on the pods themselves.
+        assert policy.binding["spec"]["validationActions"] == ["Warn"]
+        assert policy.policy["spec"]["failurePolicy"] == "Ignore"
+        for rule in policy.policy["spec"]["matchConstraints"]["resourceRules"]:
+            assert rule["operations"] == ["CREATE", "UPDATE"]
+            kinds |= {(g, r) for g in rule["apiGroups"] for r in rule["resources"]}
+    assert kinds == {("apps", "deployments"), ("apps", "statefulsets"), ("apps", "daemonsets"),
+                     ("apps", "replicasets"), ("batch", "jobs"), ("batch", "cronjobs")}
+    assert Policy({}).binding["spec"]["validationActions"] == ["Deny"]
+    objs = manifests({"admissionPolicy": {"warnWorkloads": False}})
+    assert [o["metadata"]["name"] for o in by_kind(objs, "ValidatingAdmissionPolicy")] == ["rdma-rdma-device-plugin-rdma-pods"]
+
+
+def test_workload_warning_keeps_audit() -> None:
+    policy = Policy({"admissionPolicy": {"validationActions": ["Deny", "Audit"]}}, "-rdma-workloads")
+    assert policy.binding["spec"]["validationActions"] == ["Warn", "Audit"]
+
+
+# ------------------------------------------------------------------ API availability gates
+
+
+def _render_error(values: dict[str, Any], **kwargs: Any) -> str:
+    with pytest.raises(helm_python.HelmError) as info:
+        render_raw(values, **kwargs)
+    return str(info.value)
+
+
+def test_policy_needs_the_v1_api_and_says_so() -> None:
+    # a 1.29 cluster: discovery lists admissionregistration.k8s.io/v1 kinds, but not the policy
+    old_cluster = ("admissionregistration.k8s.io/v1/ValidatingWebhookConfiguration", *MONITORING)
+    message = _render_error({}, kube_version="v1.29.0", api_versions=old_cluster)
+    assert "admissionPolicy.enabled=true" in message
+    assert "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" in message
+    assert "admissionPolicy.enabled=false" in message
+    # the rest of the chart installs there once the policy is off
+    objs = parse(render_raw({"admissionPolicy": {"enabled": False}}, kube_version="v1.29.0", api_versions=old_cluster))
+    assert by_kind(objs, "DaemonSet") and not by_kind(objs, "ValidatingAdmissionPolicy")
+    # and on 1.28 too (the chart's kubeVersion floor no longer blocks it)
+    render_raw({"admissionPolicy": {"enabled": False}}, kube_version="v1.28.0", api_versions=old_cluster)
+
+
+def test_policy_rendered_when_the_cluster_serves_it() -> None:
+    objs = parse(render_raw({}, kube_version="v1.30.0", api_versions=tuple(VAP_KINDS)))
+    assert len(by_kind(objs, "ValidatingAdmissionPolicy")) == 3
+
+
+def test_offline_render_falls_back_to_the_kube_version() -> None:
+    """helm template/lint know no kinds (only group/versions): the policy then follows --kube-version."""
+    assert by_kind(parse(render_raw({}, kube_version="v1.31.0", api_versions=None)), "ValidatingAdmissionPolicy")
+    assert "admissionPolicy.enabled=true" in _render_error({}, kube_version="v1.29.0", api_versions=None)
+
+
+def test_service_monitor_needs_prometheus_operator() -> None:
+    values = CASES["metrics"]
+    message = _render_error(values, api_versions=tuple(VAP_KINDS))
+    assert "metrics.serviceMonitor.enabled=true" in message and "monitoring.coreos.com/v1" in message
+    assert "--api-versions monitoring.coreos.com/v1" in message
+    assert by_kind(parse(render_raw(values)), "ServiceMonitor")
