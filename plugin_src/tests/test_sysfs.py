@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -114,3 +115,28 @@ def test_selectors_pick_only_mellanox(short_tmp: Path) -> None:
     assert Selectors(link_types=("InfiniBand",)).select(nics) == []
     assert len(Selectors(device_ids=("0x1021",)).select(nics)) == 2
     assert Selectors.from_mapping({"vendors": ["15b3"], "ifNames": ["bond0"]}).if_names == ("bond0",)
+
+
+def test_empty_dev_root_reads_char_device_presence_from_sysfs(node: fixtures.FixtureNode) -> None:
+    """The chart mounts no host /dev: with dev_root "" a char device is present when its sysfs entry
+    has the ``dev`` attribute devtmpfs creates the node from; same answer as looking in /dev."""
+    from_dev = sysfs.read_nics(node.sysfs, node.dev)
+    from_sysfs = sysfs.read_nics(node.sysfs, "")
+
+    def chars(nics: list[sysfs.Nic]) -> list[tuple[object, ...]]:
+        return [(n.name, n.uverbs, n.umad, n.issm) for n in nics]
+
+    assert chars(from_sysfs) == chars(from_dev)
+    assert all(n.uverbs is not None and n.uverbs.present for n in from_sysfs)
+    assert sysfs.rdma_cm("", node.sysfs).present and sysfs.rdma_cm(node.dev).present
+    # a class entry without its dev attribute (the device is going away) is not handed out
+    entry = os.path.join(node.sysfs, "class", "infiniband_verbs", "uverbs1")
+    os.unlink(os.path.join(os.path.realpath(entry), "dev"))
+    nics = {n.name: n for n in sysfs.read_nics(node.sysfs, "")}
+    assert nics["mlx5_bond_0"].uverbs is not None and not nics["mlx5_bond_0"].uverbs.present
+    assert sum(1 for n in nics.values() if n.uverbs is not None and n.uverbs.present) == 3
+
+
+def test_empty_dev_root_without_rdma_ucm(tmp_path: Path) -> None:
+    node = fixtures.write_node(str(tmp_path / "n"), dataclasses.replace(fixtures.lingjun_node(), rdma_cm=False))
+    assert not sysfs.rdma_cm("", node.sysfs).present and not sysfs.rdma_cm(node.dev).present

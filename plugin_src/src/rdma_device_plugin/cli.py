@@ -25,7 +25,11 @@ def _env(name: str, default: str) -> str:
 
 def _add_roots(p: argparse.ArgumentParser, proc: bool = False) -> None:
     p.add_argument("--sysfs-root", default=_env("SYSFS_ROOT", "/sys"), help="sysfs root (default /sys)")
-    p.add_argument("--dev-root", default=_env("DEV_ROOT", "/dev"), help="dev root (default /dev)")
+    p.add_argument(
+        "--dev-root",
+        default=_env("DEV_ROOT", "/dev"),
+        help='dev root (default /dev); "" reads char-device presence from sysfs, so no host /dev is needed',
+    )
     if proc:
         p.add_argument("--procfs-root", default=_env("PROCFS_ROOT", "/proc"), help="procfs root (default /proc)")
 
@@ -90,7 +94,7 @@ def _discover(args: argparse.Namespace) -> int:
             owner.setdefault(nic.name, res.name)
     if args.output == "json":
         out = [dict(nic.to_dict(), resource=owner.get(nic.name)) for nic in nics]
-        print(json.dumps({"nics": out, "rdma_cm": sysfs.rdma_cm(args.dev_root).present}, indent=2))
+        print(json.dumps({"nics": out, "rdma_cm": sysfs.rdma_cm(args.dev_root, args.sysfs_root).present}, indent=2))
         return 0
     header = ("RDMA DEVICE", "PCI", "VENDOR:DEVICE", "DRIVER", "NUMA", "NETDEVS", "PORTS", "LINK", "UVERBS", "RESOURCE")
     rows = [header]

@@ -372,6 +372,10 @@ class FixtureNode:
             self._write(os.path.join(self.sysfs, "module", "ib_core", "parameters", "netns_mode"), value)
         if spec.rdma_cm:
             self._write(os.path.join(self.dev, "infiniband", "rdma_cm"), "")
+            # rdma_ucm's misc device, as the kernel shows it in sysfs
+            misc = os.path.join(self.sysfs, "devices", "virtual", "misc", "rdma_cm")
+            self._write(os.path.join(misc, "dev"), "10:58")
+            self._symlink(os.path.join(self.sysfs, "class", "misc", "rdma_cm"), misc)
         # Loopback line first, as on every node.
         self._append_line(
             os.path.join(self.procfs, "net", "if_inet6"),

@@ -242,11 +242,20 @@ def _int_or_none(value: str | None) -> int | None:
 # --------------------------------------------------------------------------- char devices
 
 
+def _present(dev_root: str, sysfs_entry: str, name: str) -> bool:
+    """Does the char device node exist? With a dev root, look at ``<dev_root>/infiniband/<name>``.
+    With an empty dev root, ask sysfs: devtmpfs creates the /dev node together with the sysfs
+    entry's ``dev`` attribute (major:minor), so no host /dev has to be mounted to know it."""
+    if dev_root:
+        return os.path.exists(os.path.join(dev_root, "infiniband", name))
+    return os.path.isfile(os.path.join(sysfs_entry, "dev"))
+
+
 def _char_devices(sysfs_root: str, dev_root: str, klass: str, prefix: str) -> dict[str, list[CharDevice]]:
     """Map ibdev -> char devices of one class, found through their ``ibdev`` file.
 
     Never assume uverbsN belongs to mlx5_N: the numbering differs once a NIC is
-    unbound or a bond is formed.
+    unbound or a bond is formed. ``dev_root`` "" takes presence from sysfs (see ``_present``).
     """
     found: dict[str, list[CharDevice]] = {}
     class_dir = os.path.join(sysfs_root, "class", klass)
@@ -258,14 +267,14 @@ def _char_devices(sysfs_root: str, dev_root: str, klass: str, prefix: str) -> di
             LOG.warning("%s/%s has no readable ibdev file; skipped", klass, entry)
             continue
         port = _int_or_none(read_text(os.path.join(class_dir, entry, "port")))
-        present = os.path.exists(os.path.join(dev_root, "infiniband", entry))
+        present = _present(dev_root, os.path.join(class_dir, entry), entry)
         found.setdefault(ibdev, []).append(CharDevice(entry, f"{NODE_DEV_DIR}/{entry}", present, port))
     return found
 
 
-def rdma_cm(dev_root: str) -> CharDevice:
-    """The node-wide connection-manager device."""
-    present = os.path.exists(os.path.join(dev_root, "infiniband", RDMA_CM))
+def rdma_cm(dev_root: str, sysfs_root: str = "/sys") -> CharDevice:
+    """The node-wide connection-manager device (a misc device of rdma_ucm: /sys/class/misc/rdma_cm)."""
+    present = _present(dev_root, os.path.join(sysfs_root, "class", "misc", RDMA_CM), RDMA_CM)
     return CharDevice(RDMA_CM, f"{NODE_DEV_DIR}/{RDMA_CM}", present)
 
 
