@@ -26,9 +26,40 @@ Full name, cut so that "<fullname>-exclusive" (the longest suffix) stays a valid
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* The namespace of every namespaced object (namespaceOverride, as bitnami charts have it). */}}
+{{- define "rdma-device-plugin.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride }}
+{{- end }}
+
 {{- define "rdma-device-plugin.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "rdma-device-plugin.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Label key that tells the two DaemonSets (and their pods) apart. Fixed and chart-owned: it is part
+of the immutable DaemonSet selectors, so it must not follow modeLabelKey (a node label the user may
+rename) or `helm upgrade` could not patch the DaemonSets.
+*/}}
+{{- define "rdma-device-plugin.modeKey" -}}rdma.lingjun.io/mode{{- end }}
+
+{{/*
+Labels the chart owns: podLabels and commonLabels may not set them (schema + _validate.tpl).
+*/}}
+{{- define "rdma-device-plugin.reservedLabels" -}}
+{{- toJson (list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" "app.kubernetes.io/managed-by" "app.kubernetes.io/version" "helm.sh/chart" (include "rdma-device-plugin.modeKey" .)) }}
+{{- end }}
+
+{{/*
+Pod template labels: the selector labels plus what never changes between chart releases. No chart
+version and no image tag (as the NVIDIA chart does), so a chart-only release rolls no plugin pod.
+*/}}
+{{- define "rdma-device-plugin.podLabels" -}}
+{{ include "rdma-device-plugin.selectorLabels" . }}
+app.kubernetes.io/part-of: rdma-device-plugin
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{- define "rdma-device-plugin.labels" -}}
@@ -37,6 +68,9 @@ helm.sh/chart: {{ include "rdma-device-plugin.chart" . }}
 app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: rdma-device-plugin
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{- define "rdma-device-plugin.serviceAccountName" -}}
@@ -47,11 +81,34 @@ app.kubernetes.io/part-of: rdma-device-plugin
 {{- end }}
 {{- end }}
 
+{{/*
+The image reference: [registry/]repository(@digest|:tag). image.registry wins over
+global.imageRegistry (bitnami convention); with neither, repository may hold the registry itself.
+*/}}
 {{- define "rdma-device-plugin.image" -}}
+{{- $registry := .Values.image.registry | default ((.Values.global | default dict).imageRegistry) | default "" }}
+{{- $repository := ternary (printf "%s/%s" $registry .Values.image.repository) .Values.image.repository (ne $registry "") }}
 {{- if .Values.image.digest }}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- printf "%s@%s" $repository .Values.image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- printf "%s:%s" $repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Is an API served? Call with (dict "root" $ "api" "group/version/Kind" "minKube" "1.30.0-0").
+On install/upgrade Helm fills .Capabilities.APIVersions from discovery, which lists every
+group/version AND group/version/Kind, so the kind is looked up exactly. helm template / lint know
+only group/versions (never a kind) unless --api-versions says more: then the kube version decides.
+Returns "true" or "".
+*/}}
+{{- define "rdma-device-plugin.hasAPI" -}}
+{{- $caps := .root.Capabilities }}
+{{- $group := regexReplaceAll "^([^/]+/[^/]+)/.*$" .api "${1}/" }}
+{{- $discovered := false }}
+{{- range $caps.APIVersions }}{{ if hasPrefix $group . }}{{ $discovered = true }}{{ end }}{{ end }}
+{{- if $caps.APIVersions.Has .api }}true
+{{- else if and (not $discovered) .minKube (semverCompare (printf ">=%s" .minKube) $caps.KubeVersion.Version) }}true
 {{- end }}
 {{- end }}
 
@@ -149,17 +206,18 @@ next to privileged.
 {{- end }}
 
 {{/*
-CEL over the containers and initContainers of the pod expression (e.g. "object") that request any of
-the plugin's resources, in limits or requests. Call with (dict "root" $ "obj" "object" "op" "exists"):
-op "exists" gives a bool (does the pod request RDMA?), op "filter" the list of those containers.
+CEL over the containers and initContainers of a pod spec expression (e.g. "object.spec" or
+"object.spec.template.spec") that request any of the plugin's resources, in limits or requests.
+Call with (dict "root" $ "spec" "object.spec" "op" "exists"): op "exists" gives a bool (does the
+pod request RDMA?), op "filter" the list of those containers.
 Kept to has()/exists()/filter()/in so that both Kubernetes CEL and cel-python (the chart tests)
 evaluate it.
 */}}
 {{- define "rdma-device-plugin.celRdmaContainers" -}}
-{{- $o := .obj }}
+{{- $s := .spec }}
 {{- $names := include "rdma-device-plugin.resourceNames" .root | fromJsonArray }}
 {{- $r := include "rdma-device-plugin.celList" $names }}
-{{- printf "(has(%s.spec.initContainers) ? %s.spec.containers + %s.spec.initContainers : %s.spec.containers).%s(c, has(c.resources) && ((has(c.resources.limits) && %s.exists(r, r in c.resources.limits)) || (has(c.resources.requests) && %s.exists(r, r in c.resources.requests))))" $o $o $o $o .op $r $r }}
+{{- printf "(has(%s.initContainers) ? %s.containers + %s.initContainers : %s.containers).%s(c, has(c.resources) && ((has(c.resources.limits) && %s.exists(r, r in c.resources.limits)) || (has(c.resources.requests) && %s.exists(r, r in c.resources.requests))))" $s $s $s $s .op $r $r }}
 {{- end }}
 
 {{/* A CEL list literal of strings: ['a', 'b']. */}}

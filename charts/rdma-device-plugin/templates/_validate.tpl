@@ -47,6 +47,33 @@ check fails.
 {{- $errors = append $errors (printf "admissionPolicy.validationActions=%v lists an action twice; list each action once" $actions) }}
 {{- end }}
 
+{{- /* APIs the optional objects need, as the cluster (or helm template --api-versions / --kube-version) reports them */}}
+{{- if and $v.admissionPolicy.enabled (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" "minKube" "1.30.0-0"))) }}
+{{- $errors = append $errors (printf "admissionPolicy.enabled=true needs admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy (Kubernetes >= 1.30), which this cluster (%s) does not serve; set admissionPolicy.enabled=false (RDMA pods are then not checked for IPC_LOCK/hostNetwork), or render with --kube-version/--api-versions of the real cluster" .Capabilities.KubeVersion.Version) }}
+{{- end }}
+{{- if and $v.metrics.enabled $v.metrics.serviceMonitor.enabled (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "monitoring.coreos.com/v1"))) }}
+{{- $errors = append $errors "metrics.serviceMonitor.enabled=true needs the prometheus-operator API monitoring.coreos.com/v1, which this cluster does not serve; install prometheus-operator first, set metrics.serviceMonitor.enabled=false, or with helm template pass --api-versions monitoring.coreos.com/v1" }}
+{{- end }}
+
+{{- /* labels the chart owns (selectors, release bookkeeping) */}}
+{{- $reserved := include "rdma-device-plugin.reservedLabels" . | fromJsonArray }}
+{{- range $key, $labels := dict "podLabels" $v.podLabels "commonLabels" $v.commonLabels }}
+{{- range $name, $_ := $labels }}
+{{- if has $name $reserved }}
+{{- $errors = append $errors (printf "%s.%s: the chart sets this label itself (selectors and release bookkeeping depend on it); use another key" $key $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- /* helm test pod: it must not land on a cordoned or tainted-for-eviction node */}}
+{{- range $i, $t := $v.test.tolerations }}
+{{- if and (not $t.key) (eq (toString $t.operator) "Exists") }}
+{{- $errors = append $errors (printf "test.tolerations[%d] tolerates every taint (operator Exists without a key), so the test pod could land on a node the mode switch just cordoned; name the taint key, e.g. node-role.alibabacloud.com/lingjun" $i) }}
+{{- else if has (toString $t.key) (list "node.kubernetes.io/unschedulable" "node.kubernetes.io/not-ready" "node.kubernetes.io/unreachable") }}
+{{- $errors = append $errors (printf "test.tolerations[%d] tolerates %s, so the test pod could land on a cordoned or failing node; drop it" $i $t.key) }}
+{{- end }}
+{{- end }}
+
 {{- /* metrics */}}
 {{- if and $v.metrics.serviceMonitor.enabled (not $v.metrics.enabled) }}
 {{- $errors = append $errors "metrics.serviceMonitor.enabled=true needs metrics.enabled=true (there is nothing to scrape otherwise); set metrics.enabled=true or metrics.serviceMonitor.enabled=false" }}

@@ -9,6 +9,7 @@ import pytest
 from conftest import CASES, daemonsets
 
 from rdma_device_plugin.cli import build_parser
+from rdma_device_plugin.metrics import parse_address
 
 PATH_FLAGS = ("config", "dev_root", "procfs_root", "device_plugin_dir", "cdi_dir")
 # What the node reader opens under the sysfs root (class links resolve into devices/, driver
@@ -48,8 +49,12 @@ def test_args_parse_and_paths_are_mounted(case: str, mode: str) -> None:
         path = getattr(args, flag)
         if flag == "cdi_dir" and "--cdi-dir" not in container["args"]:
             continue
+        if flag == "dev_root" and path == "":
+            continue  # char-device presence from sysfs: nothing to mount (see cli.py --dev-root)
         if flag == "procfs_root" and path == "/proc":
-            assert pod["hostNetwork"] is True  # the container's own /proc/net is the node's
+            # the container's own /proc/net is the node's only with hostNetwork, which the chart sets
+            # exactly when the plugin reads it (the nonHostNetwork start checks)
+            assert pod.get("hostNetwork", False) is CASES[case].get("nonHostNetwork", {}).get("enabled", False)
             continue
         mount = _mount_for(path, mounts)
         assert mount is not None, f"{case}/{mode}: --{flag.replace('_', '-')} {path} is not on any volumeMount"
@@ -72,3 +77,12 @@ def test_device_plugin_dir_is_the_kubelets(case: str, host: str) -> None:
     assert mount is not None
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     assert volume["hostPath"]["path"].rstrip("/") == host
+
+
+@pytest.mark.parametrize("pod_ip,host", [("10.0.3.7", "10.0.3.7"), ("fd00:10::7", "fd00:10::7")])
+def test_metrics_address_parses_for_either_ip_family(pod_ip: str, host: str) -> None:
+    """Kubernetes expands $(POD_IP) from the env; the plugin must accept the result for IPv4 and IPv6."""
+    container = daemonsets(CASES["metrics"])["shared"]["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["args"])
+    assert any(e["name"] == "POD_IP" for e in container["env"])
+    assert parse_address(args.metrics_address.replace("$(POD_IP)", pod_ip)) == (host, 9500)

@@ -9,7 +9,7 @@ import helm_python
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import CASES, CHART_DIR, NAMESPACE, by_kind, daemonsets, kube_minor_versions, manifests, one, render
+from conftest import CASES, CHART_DIR, MONITORING, NAMESPACE, VAP_KINDS, by_kind, daemonsets, kube_minor_versions, manifests, one, parse, render, render_raw
 
 KUBE_VERSIONS = kube_minor_versions()
 # prometheus-operator CRD: kubernetes-validate has no schema for it (only warns); checked by hand below.
@@ -17,19 +17,30 @@ CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 
 
 def test_kube_versions_cover_declared_range() -> None:
-    assert KUBE_VERSIONS[0] == "1.30.0"
-    assert len(KUBE_VERSIONS) >= 2
+    # the floor is what the chart needs without the admission policy (gated on the API instead)
+    assert KUBE_VERSIONS[0] == "1.25.0"
+    assert "1.28.0" in KUBE_VERSIONS and "1.29.0" in KUBE_VERSIONS
+
+
+def _render_for(case: str, version: str) -> list[dict]:
+    """The case as installed on a cluster of that version: discovery lists the policy kinds from 1.30."""
+    values = dict(CASES[case])
+    minor = int(version.split(".")[1])
+    api = (*MONITORING, *(VAP_KINDS if minor >= 30 else ["admissionregistration.k8s.io/v1/ValidatingWebhookConfiguration"]))
+    if minor < 30:
+        values["admissionPolicy"] = {**values.get("admissionPolicy", {}), "enabled": False}
+    return parse(render_raw(values, kube_version=f"v{version}", api_versions=api))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_manifest_valid_for_every_supported_kubernetes(case: str) -> None:
-    objs = manifests(CASES[case])
-    assert objs
     checked = 0
-    for obj in objs:
-        if (obj["apiVersion"], obj["kind"]) in CUSTOM_KINDS:
-            continue
-        for version in KUBE_VERSIONS:
+    for version in KUBE_VERSIONS:
+        objs = _render_for(case, version)
+        assert objs
+        for obj in objs:
+            if (obj["apiVersion"], obj["kind"]) in CUSTOM_KINDS:
+                continue
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as exc:
@@ -40,8 +51,12 @@ def test_every_manifest_valid_for_every_supported_kubernetes(case: str) -> None:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_lint_strict_is_clean(case: str) -> None:
-    for version in (KUBE_VERSIONS[0], KUBE_VERSIONS[-1]):
-        report = helm_python.lint(str(CHART_DIR), CASES[case], strict=True, kube_version=f"v{version}")
+    values = CASES[case]
+    # the oldest minor with the policy, the newest, and the chart's floor without the policy
+    runs = [("1.30.0", values), (KUBE_VERSIONS[-1], values),
+            (KUBE_VERSIONS[0], {**values, "admissionPolicy": {**values.get("admissionPolicy", {}), "enabled": False}})]
+    for version, vals in runs:
+        report = helm_python.lint(str(CHART_DIR), vals, strict=True, kube_version=f"v{version}")
         assert report["errors"] == [], report
         # severity 1 (info) is only "icon is recommended": the chart has no icon to point at
         assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
@@ -69,7 +84,7 @@ def test_service_monitor_shape() -> None:
         assert set(svc["spec"]["selector"].items()) <= set(pod_labels.items())
         container = ds["spec"]["template"]["spec"]["containers"][0]
         assert container["ports"] == [{"name": "metrics", "containerPort": 9500, "protocol": "TCP"}]
-        assert "0.0.0.0:9500" in container["args"]
+        assert "[$(POD_IP)]:9500" in container["args"]
 
 
 def test_metrics_off_renders_no_service_or_port() -> None:
@@ -92,7 +107,7 @@ def test_two_daemonsets_two_configmaps_and_no_rbac() -> None:
         pod = ds["spec"]["template"]["spec"]
         assert pod["serviceAccountName"] == sa["metadata"]["name"]
         assert pod["automountServiceAccountToken"] is False
-        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert "hostNetwork" not in pod and "dnsPolicy" not in pod  # only with nonHostNetwork.enabled
         assert pod["priorityClassName"] == "system-node-critical"
         assert pod["tolerations"] == [{"operator": "Exists"}]
         (cm_volume,) = [v for v in pod["volumes"] if v["name"] == "config"]
@@ -127,9 +142,9 @@ def test_kubelet_dir_and_mounts(case: str, host_dir: str) -> None:
         args = _args(container)
         assert args["--device-plugin-dir"] == "/var/lib/kubelet/device-plugins"
         assert args["--config"] == "/etc/rdma-device-plugin/config.yaml"
-        assert args["--sysfs-root"] == "/host/sys" and args["--dev-root"] == "/host/dev"
+        assert args["--sysfs-root"] == "/host/sys" and args["--dev-root"] == ""
         assert args["--procfs-root"] == "/proc"
-        # every other mount is read-only: sysfs pieces and /dev, nothing else
+        # every other mount is read-only: sysfs pieces, nothing else
         rw = sorted(p for p, m in mounts.items() if not m.get("readOnly"))
         assert rw == ["/var/lib/kubelet/device-plugins"]
         assert sorted(p for p in mounts if p.startswith("/host/sys/")) == [
@@ -138,7 +153,7 @@ def test_kubelet_dir_and_mounts(case: str, host_dir: str) -> None:
         for name, vol in volumes.items():
             if name.startswith("sys-"):
                 assert vol["hostPath"]["path"] == "/sys/" + name[4:]
-        assert volumes["dev"]["hostPath"]["path"] == "/dev" and mounts["/host/dev"]["readOnly"] is True
+        assert "dev" not in volumes and "/host/dev" not in mounts
         assert "--cdi-dir" not in args and "/var/run/cdi" not in mounts
 
 
@@ -192,7 +207,7 @@ def test_everything_case_wiring() -> None:
         assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
         assert container["image"] == "127.0.0.1:5000/rdma-device-plugin:dev"
         assert container["imagePullPolicy"] == "Always"
-        assert container["env"] == [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+        assert container["env"][1:] == [{"name": "PYTHONUNBUFFERED", "value": "1"}]  # after POD_IP (metrics)
         assert _args(container)["--log-level"] == "debug" and _args(container)["--log-format"] == "json"
         assert ds["spec"]["template"]["metadata"]["annotations"]["example.com/a"] == "b"
 
@@ -228,7 +243,7 @@ def test_helm_test_pod(case: str, host_network: bool) -> None:
     assert container["resources"]["limits"] == {resource: 1}
     assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
     script = container["command"][-1]
-    for needle in ("/dev/infiniband/uverbs*", "/dev/infiniband/rdma_cm", "RDMA_DEVICES"):
+    for needle in ("RDMA_DEVICES", "pyverbs.device", "query_gid_table"):
         assert needle in script
 
 
