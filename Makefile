@@ -12,12 +12,19 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
+# pip prints one line per package it collects (a few minutes and about 1.3 GB on a first run, seconds
+# from the pip cache); everything else of pip's output is filtered out.
 $(VENV)/.stamp: requirements-dev.txt plugin_src/pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q -e plugin_src
-	touch $@
+	@echo "setup [1/3] $(VENV): Python virtual environment"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "setup [2/3] requirements-dev.txt (ansible, molecule, helm engine, test tools)"
+	@set -o pipefail; $(PY) -m pip install -r requirements-dev.txt 2>&1 \
+	  | awk '/^Collecting /{n++; printf "  %3d %s\n", n, $$2; fflush()} /^(ERROR|error)/{print}'
+	@echo "setup [3/3] the plugin (editable, from plugin_src/)"
+	@$(PY) -m pip install -q -e plugin_src
+	@touch $@
+	@echo "setup done: $(VENV)"
 
 system-deps: ## install the Debian packages the tests use (buildah, registry, pyverbs, ...)
 	bash scripts/setup-system.sh
@@ -38,7 +45,7 @@ lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
 	cd plugin_src && $(BIN)/mypy
 	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests
-	$(BIN)/ruff check --select F,E9 library filter_plugins  # modules run on nodes: pyflakes-level checks only
+	$(BIN)/ruff check --select F,E9 library filter_plugins callback_plugins  # modules run on nodes: pyflakes-level checks only
 	$(BIN)/yamllint -s .
 	bash scripts/check-proto.sh
 	if [ -d roles ] && ls roles/*/tasks >/dev/null 2>&1; then $(BIN)/ansible-lint; fi

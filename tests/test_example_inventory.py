@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-
 from conftest import run_playbook
 
 EXAMPLE = "inventories/lingjun-example"
@@ -22,7 +21,9 @@ def _ok(result) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_site_check_passes_on_the_example_inventory() -> None:
-    result = run_playbook("playbooks/site.yml", "-i", EXAMPLE, "--check", *OFFLINE, "-e", "plugin_deploy_render_only=true")
+    result = run_playbook(
+        "playbooks/site.yml", "-i", EXAMPLE, "--check", *OFFLINE, "-e", "plugin_deploy_render_only=true"
+    )
     _ok(result)
     out = result.stdout
     # every role's own argument validation ran against the example's variables

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "filter_plugins"))
-from rdma_typed import rdma_bool, rdma_int  # noqa: E402
+from rdma_typed import rdma_bool, rdma_int
 
 EXPRESSION_KEYS = {"when", "that", "until", "changed_when", "failed_when"}
 JINJA = re.compile(r"\{\{.*?\}\}|\{%.*?%\}", re.S)
@@ -75,9 +74,9 @@ def test_every_read_goes_through_the_boundary(name: str) -> None:
         rf"\b{name}\b(\s*\|\s*{FILTER[TYPED[name]]}\('{name}'\)|\s+is\s+(not\s+)?(defined|undefined|none)\b)"
     )
     bad = []
-    for path, expr in expressions():
+    for path, raw in expressions():
         # prose inside string literals is no read
-        expr = re.sub(r"'[^']*'", lambda m: m[0] if m[0] == f"'{name}'" else "''", expr)
+        expr = re.sub(r"'[^']*'", lambda m: m[0] if m[0] == f"'{name}'" else "''", raw)
         for match in re.finditer(rf"(?<!')\b{name}\b(?!')", expr):
             if not ok.match(expr, match.start()):
                 bad.append(f"{path.relative_to(ROOT)}: {expr.strip()[:120]}")
@@ -102,9 +101,13 @@ def test_int_accepts_decimal_text(text: object, want: int | None) -> None:
 def test_bad_values_name_the_variable_and_the_fix() -> None:
     from ansible.errors import AnsibleFilterError
 
-    with pytest.raises(AnsibleFilterError, match=r"rdma_non_host_network='maybe' is not a boolean.*-e rdma_non_host_network=true"):
+    with pytest.raises(
+        AnsibleFilterError, match=r"rdma_non_host_network='maybe' is not a boolean.*-e rdma_non_host_network=true"
+    ):
         rdma_bool("maybe", "rdma_non_host_network")
-    with pytest.raises(AnsibleFilterError, match=r"rdma_shared_devices='lots' is not an integer.*-e rdma_shared_devices="):
+    with pytest.raises(
+        AnsibleFilterError, match=r"rdma_shared_devices='lots' is not an integer.*-e rdma_shared_devices="
+    ):
         rdma_int("lots", "rdma_shared_devices")
     with pytest.raises(AnsibleFilterError, match="rdma_shared_devices=True is not an integer"):
         rdma_int(True, "rdma_shared_devices")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT, run_playbook
 
 LABEL = "rdma.lingjun.io/mode"
@@ -30,14 +29,18 @@ def _free_port() -> int:
 def cluster(tmp_path: Path) -> Iterator[Path]:
     kubeconfig = tmp_path / "kubeconfig"
     emulator = [sys.executable, str(ROOT / "scripts/kube-emulator.py")]
-    subprocess.run([*emulator, "start", "--port", str(_free_port()), "--kubeconfig", str(kubeconfig)], check=True, timeout=120)
+    subprocess.run(
+        [*emulator, "start", "--port", str(_free_port()), "--kubeconfig", str(kubeconfig)], check=True, timeout=120
+    )
     try:
         from kubernetes import client, config
 
         api = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
         for name in NODES:
             labels = {"kubernetes.io/hostname": name, LABEL: "exclusive"}
-            api.create_node(client.V1Node(api_version="v1", kind="Node", metadata=client.V1ObjectMeta(name=name, labels=labels)))
+            api.create_node(
+                client.V1Node(api_version="v1", kind="Node", metadata=client.V1ObjectMeta(name=name, labels=labels))
+            )
         yield kubeconfig
     finally:
         subprocess.run([*emulator, "stop", "--kubeconfig", str(kubeconfig)], check=False, timeout=120)
@@ -58,9 +61,17 @@ def inventory(tmp_path: Path, cluster: Path) -> Path:
         cdi.mkdir(parents=True)
         (cdi / "rdma.lingjun.io-hca.json").write_text("{}")
         (cdi / "nvidia.com-gpu.json").write_text("{}")  # another vendor's spec stays
-        hosts[name] = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, "rdma_cdi_dir": str(cdi)}
+        hosts[name] = {
+            "ansible_connection": "local",
+            "ansible_python_interpreter": sys.executable,
+            "rdma_cdi_dir": str(cdi),
+        }
     inv = tmp_path / "inventory.yml"
-    inv.write_text(yaml.safe_dump({"all": {"children": {"rdma_nodes": {"hosts": hosts}}, "vars": {"rdma_kubeconfig": str(cluster)}}}))
+    inv.write_text(
+        yaml.safe_dump(
+            {"all": {"children": {"rdma_nodes": {"hosts": hosts}}, "vars": {"rdma_kubeconfig": str(cluster)}}}
+        )
+    )
     return inv
 
 
@@ -69,7 +80,9 @@ def _cdi(tmp_path: Path) -> list[str]:
 
 
 def test_without_helm_nothing_is_removed(tmp_path: Path, inventory: Path, cluster: Path) -> None:
-    result = run_playbook("playbooks/uninstall.yml", "-i", str(inventory), "-e", "plugin_deploy_helm_binary=/nonexistent/helm")
+    result = run_playbook(
+        "playbooks/uninstall.yml", "-i", str(inventory), "-e", "plugin_deploy_helm_binary=/nonexistent/helm"
+    )
     assert result.returncode != 0
     assert "Install Helm 3.8 or later" in result.stdout and "Nothing was removed" in result.stdout
     assert all(labels[LABEL] == "exclusive" for labels in _labels(cluster).values())
@@ -78,7 +91,9 @@ def test_without_helm_nothing_is_removed(tmp_path: Path, inventory: Path, cluste
 
 def test_check_then_uninstall(tmp_path: Path, inventory: Path, cluster: Path) -> None:
     before = _cdi(tmp_path)
-    check = run_playbook("playbooks/uninstall.yml", "-i", str(inventory), "--check", "-e", "plugin_uninstall_release=no")
+    check = run_playbook(
+        "playbooks/uninstall.yml", "-i", str(inventory), "--check", "-e", "plugin_uninstall_release=no"
+    )
     assert check.returncode == 0, check.stdout[-3000:]
     assert "gpu-1: --check: would remove label rdma.lingjun.io/mode, 1 CDI spec(s)" in check.stdout
     assert all(labels[LABEL] == "exclusive" for labels in _labels(cluster).values())
