@@ -70,7 +70,7 @@ test: setup system-deps ## everything CI runs; ends with one "N passed, N failed
 image: setup system-deps ## build the image with buildah and push it to a registry on 127.0.0.1 (the plugin-image scenario)
 	bash scripts/make-base-image.sh && $(BIN)/molecule test -s plugin-image
 
-bench: setup ## print the benchmark figures (see bench/RESULTS.md)
+bench: setup ## benchmark figures with progress, load average, ratios to bench/RESULTS.md, plot in out/bench/
 	$(PY) bench/bench_plugin.py
 
 proto: setup ## regenerate the gRPC code from api/deviceplugin.proto

@@ -107,4 +107,3 @@ def test_check_then_uninstall(tmp_path: Path, inventory: Path, cluster: Path) ->
 
     again = run_playbook("playbooks/uninstall.yml", "-i", str(inventory), "-e", "plugin_uninstall_release=no")
     assert again.returncode == 0 and "changed=0" in again.stdout  # idempotent
-

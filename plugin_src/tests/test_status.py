@@ -35,7 +35,9 @@ def wait_doc(dp_dir: Path, pred: Callable[[dict[str, Any]], bool], timeout: floa
     raise AssertionError(f"status file never matched; last: {doc}")
 
 
-def test_status_shows_resources_nics_health_and_allocations(sim, start_plugin, dp_dir: Path, node: fixtures.FixtureNode) -> None:  # type: ignore[no-untyped-def]
+def test_status_shows_resources_nics_health_and_allocations(  # type: ignore[no-untyped-def]
+    sim, start_plugin, dp_dir: Path, node: fixtures.FixtureNode
+) -> None:
     plugin = start_plugin()
     assert sim.wait_registered(RES), plugin.output()
     doc = wait_doc(dp_dir, lambda d: d["resources"] == [{"name": RES, "capacity": 1000, "allocatable": 1000}])
