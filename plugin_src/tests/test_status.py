@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rdma_device_plugin.node import fixtures
-from rdma_device_plugin.status import STATUS_FILE_NAME, nic_health, render
+from rdma_device_plugin.status import default_status_file, nic_health, render
 
 RES = "rdma/hca"
 
@@ -24,7 +24,7 @@ def status(dp_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 
 
 def wait_doc(dp_dir: Path, pred: Callable[[dict[str, Any]], bool], timeout: float = 20.0) -> dict[str, Any]:
-    path, doc = dp_dir / STATUS_FILE_NAME, {}
+    path, doc = Path(default_status_file(str(dp_dir))), {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists():
@@ -64,7 +64,7 @@ def test_status_shows_resources_nics_health_and_allocations(  # type: ignore[no-
 
     rc, _ = plugin.stop()
     assert rc == 0
-    assert not (dp_dir / STATUS_FILE_NAME).exists()  # no stale status after a clean stop
+    assert not Path(default_status_file(str(dp_dir))).exists()  # no stale status after a clean stop
 
 
 def test_status_without_a_running_plugin_says_so(tmp_path: Path) -> None:
@@ -85,3 +85,15 @@ def test_render_puts_the_result_first() -> None:
            "nics": [], "allocations": []}  # fmt: skip
     lines = render(doc).splitlines()
     assert lines[0].startswith("mode: exclusive") and lines[1] == "rdma/hca: capacity 4, allocatable 4"
+
+
+def test_status_file_survives_a_kubelet_restart(sim, start_plugin, dp_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """A restarting kubelet deletes every file of the device-plugin dir but the checkpoint
+    (kubelet_sim.restart mirrors server.removeContents); the status file lives in a subdirectory."""
+    start_plugin()
+    assert sim.wait_registered(RES)
+    wait_doc(dp_dir, lambda d: bool(d["resources"]))
+    registrations = sum(1 for _, r in sim.registrations if r == RES)
+    sim.restart()
+    assert sim.wait_registered(RES, count=registrations + 1, timeout=30)
+    assert status(dp_dir).returncode == 0

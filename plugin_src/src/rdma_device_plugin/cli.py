@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--status-file",
         default=_env("STATUS_FILE", ""),
-        help="status file for `rdma-device-plugin status` (default <device-plugin-dir>/rdma-device-plugin.status.json)",
+        help="status file for `rdma-device-plugin status` (default <device-plugin-dir>/rdma-device-plugin/status.json)",
     )
     _add_logging(serve)
 

@@ -1,8 +1,10 @@
 """The node's status at a glance: a JSON file the plugin keeps current, and its text rendering.
 
 :class:`StatusFileHooks` is a ``server.Hooks`` observer (wrapping any other, e.g. metrics) that
-rewrites ``--status-file`` (default ``<device-plugin-dir>/rdma-device-plugin.status.json``, a
-directory the DaemonSet already mounts read-write) atomically whenever what it shows changes:
+rewrites ``--status-file`` atomically whenever what it shows changes (default
+``<device-plugin-dir>/rdma-device-plugin/status.json``: the DaemonSet already mounts that dir
+read-write, and a kubelet restart empties it of files but keeps subdirectories, see
+kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go, server.removeContents):
 mode, each resource's capacity and allocatable (devices, healthy devices: what the kubelet
 reports), each NIC with port states, netdevs, NUMA node, health and why, and the last
 allocations. ``rdma-device-plugin status`` prints it (:func:`render`).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import threading
 import time
 from collections import deque
@@ -26,12 +29,12 @@ from .node.sysfs import ACTIVE_STATES
 from .resources import HEALTHY, ResourcePool
 from .server import Hooks
 
-STATUS_FILE_NAME = "rdma-device-plugin.status.json"
+STATUS_FILE = os.path.join("rdma-device-plugin", "status.json")
 LAST_ALLOCATIONS = 10
 
 
 def default_status_file(device_plugin_dir: str) -> str:
-    return os.path.join(device_plugin_dir, STATUS_FILE_NAME)
+    return os.path.join(device_plugin_dir, STATUS_FILE)
 
 
 def nic_health(present: bool, ports: Sequence[str], uverbs: bool) -> tuple[bool, str]:
@@ -129,12 +132,18 @@ class StatusFileHooks(Hooks):
     def write_now(self) -> None:
         with self._lock:
             doc = snapshot(self.pools, dict(self.states), list(self.allocations))
-        if doc == self._written:
+        if doc == self._written and os.path.exists(self.path):
             return
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(dict(doc, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())), fh, indent=2)
-        os.replace(tmp, self.path)  # readers never see a half-written file
+        directory = os.path.dirname(self.path) or "."
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".status-", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(dict(doc, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())), fh, indent=2)
+            os.replace(tmp, self.path)  # readers never see a half-written file
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         self._written = doc
 
     def _run(self) -> None:
@@ -154,6 +163,8 @@ class StatusFileHooks(Hooks):
             stop()
         with contextlib.suppress(OSError):
             os.unlink(self.path)  # no stale status once the plugin is gone
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.path))  # and no empty directory in the kubelet's dir
 
 
 def render(doc: Mapping[str, Any]) -> str:
