@@ -22,11 +22,11 @@ def ansible_env() -> dict[str, str]:
     return env
 
 
-def run_playbook(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+def run_playbook(*args: str, timeout: int = 900, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(BIN / "ansible-playbook"), *args],
         cwd=ROOT,
-        env=ansible_env(),
+        env={**ansible_env(), **env},
         capture_output=True,
         text=True,
         timeout=timeout,
