@@ -7,17 +7,24 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo test lint test-plugin test-chart test-molecule image bench proto clean
+.PHONY: help setup system-deps demo stop status test lint test-plugin test-chart test-ops test-molecule image bench proto clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
+# pip prints one line per package it collects (a few minutes and about 1.3 GB on a first run, seconds
+# from the pip cache); everything else of pip's output is filtered out.
 $(VENV)/.stamp: requirements-dev.txt plugin_src/pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q -e plugin_src
-	touch $@
+	@echo "setup [1/3] $(VENV): Python virtual environment"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "setup [2/3] requirements-dev.txt (ansible, molecule, helm engine, test tools)"
+	@set -o pipefail; $(PY) -m pip install -r requirements-dev.txt 2>&1 \
+	  | awk '/^Collecting /{n++; printf "  %3d %s\n", n, $$2; fflush()} /^(ERROR|error)/{print}'
+	@echo "setup [3/3] the plugin (editable, from plugin_src/)"
+	@$(PY) -m pip install -q -e plugin_src
+	@touch $@
+	@echo "setup done: $(VENV)"
 
 system-deps: ## install the Debian packages the tests use (buildah, registry, pyverbs, ...)
 	bash scripts/setup-system.sh
@@ -27,11 +34,18 @@ setup: $(VENV)/.stamp ## create .venv from the pinned requirements
 demo: setup ## the main job on the local default: validate, deploy and verify a fixture Lingjun node via Ansible
 	$(BIN)/ansible-playbook playbooks/site.yml -i inventories/local
 
+stop: ## stop the local default's plugin and kubelet simulator (playbooks/uninstall.yml -i inventories/local)
+	@if [ -x $(BIN)/ansible-playbook ]; then $(BIN)/ansible-playbook playbooks/uninstall.yml -i inventories/local; \
+	else echo "no $(VENV): nothing of the local default can be running from it"; fi
+
+status: setup ## the local default's plugin status: mode, capacity/allocatable, NICs with health, last allocations
+	$(BIN)/rdma-device-plugin status --device-plugin-dir out/local/dp
+
 lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
 	cd plugin_src && $(BIN)/mypy
-	$(BIN)/ruff check --config plugin_src/pyproject.toml bench && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench
-	$(BIN)/ruff check --select F,E9 library filter_plugins  # modules run on nodes: pyflakes-level checks only
+	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests
+	$(BIN)/ruff check --select F,E9 library filter_plugins callback_plugins  # modules run on nodes: pyflakes-level checks only
 	$(BIN)/yamllint -s .
 	bash scripts/check-proto.sh
 	if [ -d roles ] && ls roles/*/tasks >/dev/null 2>&1; then $(BIN)/ansible-lint; fi
@@ -42,22 +56,25 @@ test-plugin: setup ## plugin unit and integration tests (real gRPC over unix soc
 test-chart: setup ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL)
 	$(PY) -m pytest charts/rdma-device-plugin/tests --junitxml=out/test-results/chart.xml
 
+test-ops: setup ## automation and docs: example inventory offline check, typed variables, uninstall, runnable doc blocks
+	$(PY) -m pytest tests --junitxml=out/test-results/ops.xml
+
 test-molecule: setup system-deps ## every molecule scenario, for real on localhost
 	bash scripts/run-molecule.sh
 
 test: setup system-deps ## everything CI runs; ends with one "N passed, N failed" line
 	rm -rf out/test-results
-	$(MAKE) --no-print-directory lint test-plugin test-chart test-molecule
+	$(MAKE) --no-print-directory lint test-plugin test-chart test-ops test-molecule
 	$(PY) scripts/test-summary.py out/test-results
 
 image: setup system-deps ## build the image with buildah and push it to a registry on 127.0.0.1 (the plugin-image scenario)
 	bash scripts/make-base-image.sh && $(BIN)/molecule test -s plugin-image
 
-bench: setup ## print the benchmark figures (see bench/RESULTS.md)
+bench: setup ## benchmark figures with progress, load average, ratios to bench/RESULTS.md, plot in out/bench/
 	$(PY) bench/bench_plugin.py
 
 proto: setup ## regenerate the gRPC code from api/deviceplugin.proto
 	bash scripts/check-proto.sh --write
 
-clean: ## remove the venv and caches
+clean: stop ## stop the local default, then remove the venv and caches
 	rm -rf $(VENV) .pytest_cache plugin_src/.mypy_cache plugin_src/.ruff_cache

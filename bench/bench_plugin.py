@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+import report
 import yaml
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -36,6 +37,8 @@ from rdma_device_plugin.node import fixtures
 from rdma_device_plugin.resources import socket_name
 
 RES = "rdma/hca"
+# Raw seconds per figure, for the plot: {"RPC latency": {"exclusive, 1 caller: Allocate": [...]}, ...}
+Samples = dict[str, dict[str, list[float]]]
 LOCAL_POOL = [("grpc.use_local_subchannel_pool", 1)]  # every client its own connection
 
 
@@ -159,7 +162,7 @@ def measure_rpc(rig: Rig, method: str, request: Callable[[], Any], concurrency: 
     return latencies
 
 
-def bench_latency(out: list[str], quick: bool) -> None:
+def bench_latency(out: list[str], samples: Samples, quick: bool) -> None:
     total = 600 if quick else 3000
     spec = lingjun_spec(8)
     ids = [n.pci_address for n in spec.nics]
@@ -189,8 +192,10 @@ def bench_latency(out: list[str], quick: bool) -> None:
             b50, b99 = pct(base, 50), pct(base, 99)
             noop_name = "GetDevicePluginOptions (no-op)"
             out.append(f"| {concurrency} | {noop_name} | {len(base)} | {ms(b50)} | {ms(b99)} | 1.00 | 1.00 |")
+            samples.setdefault("RPC latency", {})[f"exclusive x{concurrency}: no-op"] = base
             for name, req in (("Allocate", allocate), ("GetPreferredAllocation", preferred)):
                 lat = measure_rpc(rig, name, req, concurrency, total)
+                samples["RPC latency"][f"exclusive x{concurrency}: {name}"] = lat
                 p50, p99 = pct(lat, 50), pct(lat, 99)
                 out.append(
                     f"| {concurrency} | {name} | {len(lat)} | {ms(p50)} | {ms(p99)} "
@@ -199,7 +204,7 @@ def bench_latency(out: list[str], quick: bool) -> None:
         out.append("")
 
 
-def bench_shared_latency(out: list[str], quick: bool) -> None:
+def bench_shared_latency(out: list[str], samples: Samples, quick: bool) -> None:
     """Shared mode: Allocate of one of 1000 devices hands out every NIC's uverbs + rdma_cm."""
     total = 600 if quick else 3000
     with Rig(lingjun_spec(8), {}) as rig:
@@ -221,6 +226,8 @@ def bench_shared_latency(out: list[str], quick: bool) -> None:
         for concurrency in (1, 8):
             base = measure_rpc(rig, "GetDevicePluginOptions", noop, concurrency, total)
             lat = measure_rpc(rig, "Allocate", allocate, concurrency, total)
+            samples.setdefault("RPC latency", {})[f"shared x{concurrency}: no-op"] = base
+            samples["RPC latency"][f"shared x{concurrency}: Allocate"] = lat
             b50, b99, p50, p99 = pct(base, 50), pct(base, 99), pct(lat, 50), pct(lat, 99)
             noop_name = "GetDevicePluginOptions (no-op)"
             out.append(f"| {concurrency} | {noop_name} | {len(base)} | {ms(b50)} | {ms(b99)} | 1.00 | 1.00 |")
@@ -233,7 +240,7 @@ def bench_shared_latency(out: list[str], quick: bool) -> None:
 # --------------------------------------------------------------------------- snapshots
 
 
-def bench_snapshots(out: list[str], quick: bool) -> None:
+def bench_snapshots(out: list[str], samples: Samples, quick: bool) -> None:
     out += [
         "### Snapshot size and time to first snapshot (shared mode)",
         "",
@@ -287,7 +294,7 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
-def bench_idle(out: list[str], quick: bool) -> None:
+def bench_idle(out: list[str], samples: Samples, quick: bool) -> None:
     window = 10.0 if quick else 60.0
     interval = 0.5  # the config default, stated explicitly
     with Rig(fixtures.lingjun_node(nics=4), {"health": {"intervalSeconds": interval}}) as rig:
@@ -317,7 +324,7 @@ def bench_idle(out: list[str], quick: bool) -> None:
 # --------------------------------------------------------------------------- restart and flip latency
 
 
-def bench_recovery(out: list[str], quick: bool) -> None:
+def bench_recovery(out: list[str], samples: Samples, quick: bool) -> None:
     runs = 15 if quick else 50
     interval = 0.5
     with Rig(fixtures.lingjun_node(nics=4), {"health": {"intervalSeconds": interval}}) as rig:
@@ -348,6 +355,12 @@ def bench_recovery(out: list[str], quick: bool) -> None:
                     raise RuntimeError("flip lost")
                 sink.append(next(s[0] for s in ep.snapshots[k:] if s[2] == want) - t0)
                 time.sleep(rng.uniform(0, interval))  # decorrelate from the probe phase
+    samples["Recovery"] = {
+        "kubelet restart -> Register": rereg,
+        "kubelet restart -> first snapshot": first_snap,
+        "port DOWN -> allocatable 0": down,
+        "port ACTIVE -> allocatable 1k": up,
+    }
     out += [
         f"### Recovery latency (4 bonded NICs, probe interval {interval} s, socket watch 0.1 s; seconds shown in ms)",
         "",
@@ -379,22 +392,61 @@ def machine() -> list[str]:
     ]
 
 
+SECTIONS = (
+    ("RPC latency, shared mode", bench_shared_latency),
+    ("RPC latency, exclusive mode", bench_latency),
+    ("snapshots", bench_snapshots),
+    ("idle cost", bench_idle),
+    ("recovery", bench_recovery),
+)
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min, {os.cpu_count()} cores)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="10 s idle window, fewer samples")
-    parser.add_argument("--write-results", metavar="FILE", help="also write the Markdown report to FILE")
+    parser.add_argument("--write-results", metavar="FILE", help="also write the Markdown report to FILE (and FILE.png)")
+    parser.add_argument("--baseline", default="bench/RESULTS.md", help="compare every figure with this report")
+    parser.add_argument(
+        "--plot", metavar="PNG", help="distribution plot (default: next to --write-results, else out/bench/)"
+    )
     args = parser.parse_args(argv)
+    baseline = report.parse_tables(args.baseline)  # read first: --write-results may replace it
     started = time.monotonic()
+    load = load_average()
+    print(f"load average at start: {load}", file=sys.stderr, flush=True)
     cmd = " ".join(["bench/bench_plugin.py", *(argv if argv is not None else sys.argv[1:])])
-    out = ["## Machine", "", *machine(), "", f"Command: `.venv/bin/python {cmd}`", ""]
-    for section in (bench_shared_latency, bench_latency, bench_snapshots, bench_idle, bench_recovery):
-        section(out, args.quick)
-        print(f"... {section.__name__} done after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-    out.append(f"Total benchmark time: {time.monotonic() - started:.0f} s.")
+    plot = args.plot or (
+        os.path.splitext(args.write_results)[0] + ".png" if args.write_results else "out/bench/bench.png"
+    )
+    out = [
+        "## Machine",
+        "",
+        *machine(),
+        f"- load average at start: {load}",
+        "",
+        f"Command: `.venv/bin/python {cmd}`",
+        "",
+    ]
+    samples: Samples = {}
+    for i, (title, section) in enumerate(SECTIONS, 1):
+        print(f"[{i}/{len(SECTIONS)}] {title} ...", file=sys.stderr, flush=True)
+        section(out, samples, args.quick)
+        print(
+            f"[{i}/{len(SECTIONS)}] {title} done after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True
+        )
+    out.append(f"Total benchmark time: {time.monotonic() - started:.0f} s; load average at the end: {load_average()}.")
+    out += ["", f"![latency distributions and recovery times]({os.path.basename(plot)})", ""]
+    report.plot(samples, plot, title=f"load average at start {load}")
     if args.write_results:
-        with open(args.write_results, "w", encoding="utf-8") as fh:
-            fh.write("\n".join(out) + "\n")
+        report.write_results(args.write_results, out)
     print("\n".join(out), flush=True)
+    print("\n".join(report.compare(report.parse_lines(out), baseline, args.baseline)), flush=True)
+    print(f"plot: {plot}", flush=True)
     return 0
 
 

@@ -8,7 +8,8 @@ kubernetes.core need (see docs/toolchain.md):
 * list responses carry ``kind: <Kind>List`` and ``apiVersion``;
 * ``labelSelector`` and ``fieldSelector`` are honoured (``k=v``, ``k==v``, ``k!=v``, ``k``, ``!k``;
   field paths like ``spec.nodeName`` and ``metadata.name``);
-* ``POST .../pods/<name>/eviction`` deletes the pod (what the eviction API does without PDBs).
+* ``POST .../pods/<name>/eviction`` deletes the pod (what the eviction API does without PDBs);
+* ``?dryRun=All`` PATCHes answer without persisting (kubernetes.core's --check), other dry runs fail.
 
 It is NOT a real cluster: no resourceVersion conflicts, no strategic merge (a strategic or merge
 patch body is merged as a JSON merge patch), no PUT, no server-side apply, no controllers.
@@ -160,6 +161,8 @@ def build_emulator(args: argparse.Namespace) -> Any:
                 from aiohttp import web
 
                 return web.json_response({"apiVersion": "v1", "kind": "Status", "status": "Success", "code": 201})
+            if (request.params or {}).get("dryRun") == "All" and request.method != enums.method.GET:
+                return await self._dry_run(request)
             before = None
             if request.resource is not None and request.resource.plural == "nodes" and request.name:
                 key = (request.resource, None, request.name)
@@ -179,6 +182,23 @@ def build_emulator(args: argparse.Namespace) -> Any:
                     after = (meta.get("labels") or {}).get(MODE_LABEL)
                     if after != before and (meta.get("annotations") or {}).get(PLUGIN_ANNOTATION) != "broken":
                         asyncio.get_running_loop().create_task(self._plugin_restarts(request.resource, request.name))
+            return response
+
+        async def _dry_run(self, request: Any) -> Any:
+            """``?dryRun=All`` (what kubernetes.core sends under --check): answer as the real apiserver
+            does, without persisting (staging/src/k8s.io/apiserver/pkg/endpoints/handlers/patch.go
+            skips the storage write for dry runs). Only PATCH of an existing object is emulated;
+            other dry runs are refused rather than silently applied."""
+            key = (request.resource, request.namespace, request.name)
+            if request.action != enums.action.UPDATE or key not in self.objects or self.objects[key].deleted:
+                from aiohttp import web
+
+                msg = "kube-emulator: dryRun=All is emulated only for PATCH of an existing object"
+                return web.json_response({"kind": "Status", "status": "Failure", "message": msg, "code": 400}, status=400)
+            history = self.objects[key].history
+            kept = len(history)
+            response = await super()._handle(request)
+            del history[kept:]  # the patched version never becomes the stored one
             return response
 
         async def _plugin_restarts(self, resource: Any, name: str) -> None:

@@ -30,6 +30,7 @@ from rdma_device_plugin.node import fixtures
 
 RES = "rdma/hca"
 SOCK = "rdma-dp-rdma_hca.sock"
+STATUS_DIR = "rdma-device-plugin"  # the status file's directory (status.py), kept by kubelet restarts
 INTERVAL = 0.1  # health probe interval used by these tests
 FAST: dict[str, Any] = {"health": {"intervalSeconds": INTERVAL}, "rediscoveryIntervalSeconds": 1.0}
 SPECS = {n.name: n for n in fixtures.lingjun_node(nics=4).nics}  # the conftest `node` fixture
@@ -155,7 +156,7 @@ def test_kubelet_restarts_50_times_at_random_moments(  # type: ignore[no-untyped
     assert sim.restarts == 50 and not sim.rejections
     assert not errors, errors[:5]
     assert stats["direct ok"] > 0 and stats["kubelet ok"] > 0, stats
-    assert sorted(os.listdir(dp_dir)) == sorted([CHECKPOINT, "kubelet.sock", SOCK])
+    assert sorted(os.listdir(dp_dir)) == sorted([CHECKPOINT, "kubelet.sock", SOCK, STATUS_DIR])
     fds1, threads1 = fd_count(pid), thread_count(pid)
     assert fds1 <= fds0 + 3, f"fd leak: {fds0} -> {fds1} over 50 restarts"
     assert threads1 <= threads0 + 6, f"thread leak: {threads0} -> {threads1} over 50 restarts"
@@ -376,5 +377,5 @@ def test_sigkilled_plugin_comes_back_with_the_same_device_ids(  # type: ignore[n
         assert set(alloc.ids) <= set(devices)
         assert paths_of(stub.Allocate(alloc_request(*alloc.ids), timeout=10)) == alloc.device_paths
     assert [a.pod for a in sim.allocations] == ["p1", "p2"]
-    assert sorted(os.listdir(dp_dir)) == sorted([CHECKPOINT, "kubelet.sock", SOCK])  # stale socket replaced
+    assert sorted(os.listdir(dp_dir)) == sorted([CHECKPOINT, "kubelet.sock", SOCK, STATUS_DIR])  # stale socket replaced
     assert "Traceback" not in second.output()

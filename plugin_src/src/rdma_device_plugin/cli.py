@@ -61,7 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("METRICS_ADDRESS", ""),
         help="serve Prometheus metrics on HOST:PORT (off when empty, the default)",
     )
+    serve.add_argument(
+        "--status-file",
+        default=_env("STATUS_FILE", ""),
+        help="status file for `rdma-device-plugin status` (default <device-plugin-dir>/rdma-device-plugin/status.json)",
+    )
     _add_logging(serve)
+
+    st = sub.add_parser("status", help="print this node's mode, resources, NICs with health and why, last allocations")
+    st.add_argument(
+        "--device-plugin-dir",
+        default=_env("DEVICE_PLUGIN_DIR", DEFAULT_DEVICE_PLUGIN_DIR),
+        help="the plugin's --device-plugin-dir (its status file is there)",
+    )
+    st.add_argument("--status-file", default=_env("STATUS_FILE", ""), help="read this status file instead")
+    st.add_argument("--output", "-o", choices=["text", "json"], default="text")
 
     disc = sub.add_parser("discover", help="print the RDMA NICs found and which resource selects them")
     disc.add_argument("--config", default=None, help="config file whose selectors to apply")
@@ -142,6 +156,24 @@ def _fixture(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    from .status import default_status_file, render
+
+    path = args.status_file or default_status_file(args.device_plugin_dir)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except FileNotFoundError:
+        print(
+            f"rdma-device-plugin: no status file {path}: the plugin is not running there "
+            "(give the plugin's --device-plugin-dir or --status-file)",
+            file=sys.stderr,
+        )
+        return 1
+    print(json.dumps(doc, indent=2) if args.output == "json" else render(doc))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -151,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config-schema":
         print(json.dumps(config_json_schema(), indent=2))
         return 0
+    if args.command == "status":
+        return _status(args)
     from .logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)

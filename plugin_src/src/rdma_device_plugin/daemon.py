@@ -313,6 +313,9 @@ def serve(args: argparse.Namespace) -> int:
             return 2
         LOG.info("serving Prometheus metrics", extra={"address": f"{host}:{port}"})
         hooks = metrics
+    from .status import StatusFileHooks, default_status_file
+
+    hooks = StatusFileHooks(args.status_file or default_status_file(args.device_plugin_dir), hooks)
     verbs = VerbsProbe()
     verbs.available()  # decides pyverbs vs sysfs once, with one log line
     supervisor = Supervisor(

@@ -1,0 +1,197 @@
+"""The node's status at a glance: a JSON file the plugin keeps current, and its text rendering.
+
+:class:`StatusFileHooks` is a ``server.Hooks`` observer (wrapping any other, e.g. metrics) that
+rewrites ``--status-file`` atomically whenever what it shows changes (default
+``<device-plugin-dir>/rdma-device-plugin/status.json``: the DaemonSet already mounts that dir
+read-write, and a kubelet restart empties it of files but keeps subdirectories, see
+kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go, server.removeContents):
+mode, each resource's capacity and allocatable (devices, healthy devices: what the kubelet
+reports), each NIC with port states, netdevs, NUMA node, health and why, and the last
+allocations. ``rdma-device-plugin status`` prints it (:func:`render`).
+
+The hooks fire just before the pools apply a change, so the file is written by a small thread
+that re-reads the pools after each hook and once a second, not from inside the hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .node.sysfs import ACTIVE_STATES
+from .resources import HEALTHY, ResourcePool
+from .server import Hooks
+
+STATUS_FILE = os.path.join("rdma-device-plugin", "status.json")
+LAST_ALLOCATIONS = 10
+
+
+def default_status_file(device_plugin_dir: str) -> str:
+    return os.path.join(device_plugin_dir, STATUS_FILE)
+
+
+def nic_health(present: bool, ports: Sequence[str], uverbs: bool) -> tuple[bool, str]:
+    """(healthy, why): the same rule the pools apply (resources.NicHealth + a present uverbs node)."""
+    if not present:
+        return False, "NIC gone from sysfs"
+    bad = [f"port {i} {state}" for i, state in enumerate(ports, 1) if state not in ACTIVE_STATES]
+    if not ports:
+        return False, "no ports"
+    if bad:
+        return False, ", ".join(bad) + " (not ACTIVE)"
+    if not uverbs:
+        return False, "no uverbs character device"
+    return True, ""
+
+
+def snapshot(
+    pools: Sequence[ResourcePool], states: Mapping[str, tuple[str, ...] | None], allocations: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    resources, nics = [], {}
+    for pool in pools:
+        _, devices = pool.snapshot()
+        healthy = sum(1 for d in devices if d.health == HEALTHY)
+        resources.append({"name": pool.name, "capacity": len(devices), "allocatable": healthy})
+        present = {n.name: n for n in pool.present_nics()}
+        for summary in pool.nic_summary():
+            name = str(summary["name"])
+            nic = present.get(name)
+            ports = states.get(name) or (tuple(p.state for p in nic.ports) if nic else ())
+            ok, why = nic_health(nic is not None, ports, bool(nic and nic.uverbs and nic.uverbs.present))
+            nics[name] = {
+                "name": name,
+                "resource": pool.name,
+                "pci_address": summary["pci_address"],
+                "netdevs": list(nic.netdevs) if nic else [],
+                "numa_node": summary["numa_node"],
+                "ports": list(ports),
+                "healthy": ok,
+                "why": why,
+            }
+    return {
+        "mode": pools[0].mode if pools else None,
+        "resources": resources,
+        "nics": [nics[n] for n in sorted(nics)],
+        "allocations": list(allocations),
+    }
+
+
+class StatusFileHooks(Hooks):
+    def __init__(self, path: str, inner: Hooks | None = None, interval: float = 1.0) -> None:
+        self.path = path
+        self.inner = inner or Hooks()
+        self.interval = interval
+        self.pools: Sequence[ResourcePool] = ()
+        self.states: dict[str, tuple[str, ...] | None] = {}
+        self.allocations: deque[dict[str, Any]] = deque(maxlen=LAST_ALLOCATIONS)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._written: dict[str, Any] | None = None
+        self._thread = threading.Thread(target=self._run, name="status-file", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- Hooks
+    def allocated(self, resource: str, seconds: float, ok: bool) -> None:
+        self.inner.allocated(resource, seconds, ok)
+        at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        with self._lock:
+            self.allocations.appendleft({"time": at, "resource": resource, "ok": ok, "ms": round(seconds * 1000, 3)})
+        self._wake.set()
+
+    def registered(self, resource: str) -> None:
+        self.inner.registered(resource)
+        self._wake.set()
+
+    def kubelet_restarted(self) -> None:
+        self.inner.kubelet_restarted()
+
+    def rediscovered(self) -> None:
+        self.inner.rediscovered()
+        self._wake.set()
+
+    def port_states(self, states: Mapping[str, tuple[str, ...] | None]) -> None:
+        self.inner.port_states(states)
+        with self._lock:
+            self.states.update(states)
+        self._wake.set()
+
+    def pools_ready(self, pools: Sequence[ResourcePool]) -> None:
+        self.inner.pools_ready(pools)
+        self.pools = pools
+        self._wake.set()
+
+    # ----------------------------------------------------------------- writer
+    def write_now(self) -> None:
+        with self._lock:
+            doc = snapshot(self.pools, dict(self.states), list(self.allocations))
+        if doc == self._written and os.path.exists(self.path):
+            return
+        directory = os.path.dirname(self.path) or "."
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".status-", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(dict(doc, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())), fh, indent=2)
+            os.replace(tmp, self.path)  # readers never see a half-written file
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self._written = doc
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            # The directory may not exist yet or be read-only; the next round tries again.
+            with contextlib.suppress(OSError):
+                self.write_now()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        stop = getattr(self.inner, "stop", None)
+        if stop is not None:
+            stop()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)  # no stale status once the plugin is gone
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.path))  # and no empty directory in the kubelet's dir
+
+
+def render(doc: Mapping[str, Any]) -> str:
+    """The status file as text: result first (mode, resources), then NICs, then allocations."""
+    lines = [f"mode: {doc.get('mode')}    (status written {doc.get('updated', '?')})"]
+    for r in doc.get("resources", []):
+        flag = "" if r["allocatable"] == r["capacity"] else "   <- NIC(s) unhealthy, see below"
+        lines.append(f"{r['name']}: capacity {r['capacity']}, allocatable {r['allocatable']}{flag}")
+    rows = [("NIC", "PCI", "NETDEVS", "NUMA", "PORTS", "HEALTH", "WHY")]
+    for n in doc.get("nics", []):
+        rows.append(
+            (
+                n["name"],
+                n["pci_address"],
+                ",".join(n["netdevs"]) or "-",
+                "-" if n["numa_node"] is None else str(n["numa_node"]),
+                ",".join(n["ports"]) or "-",
+                "Healthy" if n["healthy"] else "Unhealthy",
+                n["why"] or "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines.append("")
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    allocs = doc.get("allocations", [])
+    lines.append("")
+    lines.append("last allocations:" if allocs else "last allocations: none since the plugin started")
+    for a in allocs:
+        lines.append(f"  {a['time']}  {a['resource']}  {'ok' if a['ok'] else 'FAILED'}  {a['ms']} ms")
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""`rdma-device-plugin status`: the real serve process keeps a status file current; the command
+prints mode, capacity/allocatable, each NIC's ports, netdevs, NUMA node, health and why, and the
+last allocations."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rdma_device_plugin.node import fixtures
+from rdma_device_plugin.status import default_status_file, nic_health, render
+
+RES = "rdma/hca"
+
+
+def status(dp_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "rdma_device_plugin", "status", "--device-plugin-dir", str(dp_dir), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+
+
+def wait_doc(dp_dir: Path, pred: Callable[[dict[str, Any]], bool], timeout: float = 20.0) -> dict[str, Any]:
+    path, doc = Path(default_status_file(str(dp_dir))), {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            doc = json.loads(path.read_text())
+            if pred(doc):
+                return doc
+        time.sleep(0.1)
+    raise AssertionError(f"status file never matched; last: {doc}")
+
+
+def test_status_shows_resources_nics_health_and_allocations(  # type: ignore[no-untyped-def]
+    sim, start_plugin, dp_dir: Path, node: fixtures.FixtureNode
+) -> None:
+    plugin = start_plugin()
+    assert sim.wait_registered(RES), plugin.output()
+    doc = wait_doc(dp_dir, lambda d: d["resources"] == [{"name": RES, "capacity": 1000, "allocatable": 1000}])
+    assert doc["mode"] == "shared"
+    assert [n["name"] for n in doc["nics"]] == [f"mlx5_bond_{i}" for i in range(4)]
+    assert all(n["healthy"] and n["ports"] == ["ACTIVE"] and n["netdevs"] for n in doc["nics"])
+    assert {n["numa_node"] for n in doc["nics"]} == {0, 1}
+
+    sim.allocate(RES, 1, pod="p1")
+    node.set_port_state("mlx5_bond_2", "DOWN")
+    doc = wait_doc(dp_dir, lambda d: d["resources"][0]["allocatable"] == 0 and d["allocations"])
+    bad = next(n for n in doc["nics"] if n["name"] == "mlx5_bond_2")
+    assert not bad["healthy"] and bad["why"] == "port 1 DOWN (not ACTIVE)"
+    assert doc["allocations"][0]["resource"] == RES and doc["allocations"][0]["ok"] is True
+
+    out = status(dp_dir)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert text.splitlines()[0].startswith("mode: shared")
+    assert "rdma/hca: capacity 1000, allocatable 0" in text
+    assert "mlx5_bond_2" in text and "Unhealthy" in text and "port 1 DOWN (not ACTIVE)" in text
+    assert "last allocations:" in text and " ok " in text
+    assert json.loads(status(dp_dir, "-o", "json").stdout)["mode"] == "shared"
+
+    rc, _ = plugin.stop()
+    assert rc == 0
+    assert not Path(default_status_file(str(dp_dir))).exists()  # no stale status after a clean stop
+
+
+def test_status_without_a_running_plugin_says_so(tmp_path: Path) -> None:
+    out = status(tmp_path)
+    assert out.returncode == 1
+    assert "the plugin is not running there" in out.stderr
+
+
+def test_nic_health_reasons() -> None:
+    assert nic_health(True, ("ACTIVE",), True) == (True, "")
+    assert nic_health(False, (), False) == (False, "NIC gone from sysfs")
+    assert nic_health(True, ("ACTIVE", "INIT"), True) == (False, "port 2 INIT (not ACTIVE)")
+    assert nic_health(True, ("ACTIVE",), False) == (False, "no uverbs character device")
+
+
+def test_render_puts_the_result_first() -> None:
+    doc = {"mode": "exclusive", "updated": "t", "resources": [{"name": RES, "capacity": 4, "allocatable": 4}],
+           "nics": [], "allocations": []}  # fmt: skip
+    lines = render(doc).splitlines()
+    assert lines[0].startswith("mode: exclusive") and lines[1] == "rdma/hca: capacity 4, allocatable 4"
+
+
+def test_status_file_survives_a_kubelet_restart(sim, start_plugin, dp_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """A restarting kubelet deletes every file of the device-plugin dir but the checkpoint
+    (kubelet_sim.restart mirrors server.removeContents); the status file lives in a subdirectory."""
+    start_plugin()
+    assert sim.wait_registered(RES)
+    wait_doc(dp_dir, lambda d: bool(d["resources"]))
+    registrations = sum(1 for _, r in sim.registrations if r == RES)
+    sim.restart()
+    assert sim.wait_registered(RES, count=registrations + 1, timeout=30)
+    assert status(dp_dir).returncode == 0
