@@ -13,7 +13,7 @@ node as topology; a pod gets only the NICs it was given.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from . import cdi, netchecks
@@ -64,11 +64,6 @@ class NicHealth:
         return self.present and bool(self.ports) and all(s in ACTIVE_STATES for s in self.ports)
 
 
-def socket_name(resource_name: str) -> str:
-    """Socket file name for a resource: rdma/hca -> rdma-dp-rdma_hca.sock."""
-    return "rdma-dp-" + resource_name.replace("/", "_").replace(".", "-") + ".sock"
-
-
 class ResourcePool:
     """One advertised resource. Thread-safe: discovery, the health probe and gRPC calls share it."""
 
@@ -96,6 +91,7 @@ class ResourcePool:
         self._device_ids: frozenset[str] = frozenset()  # derived from _devices, for Allocate
         self._shared_allocation: ContainerAllocation | None = None  # shared mode: the same for every pod
         self._closed = False
+        self._listeners: list[Callable[[], None]] = []  # called (under the lock) when devices change
         short = self.name.split("/", 1)[1]
         self._shared_ids = tuple(f"{short}-{i}" for i in range(resource.shared_devices))
 
@@ -127,6 +123,21 @@ class ResourcePool:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+            for listener in self._listeners:
+                listener()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     # ------------------------------------------------------------------ state
 
@@ -151,6 +162,8 @@ class ResourcePool:
         self._device_ids = frozenset(d.id for d in devices)
         self._version += 1
         self._lock.notify_all()
+        for listener in self._listeners:
+            listener()
         return True
 
     def _shared_devices(self) -> tuple[Device, ...]:
@@ -166,12 +179,6 @@ class ResourcePool:
     def snapshot(self) -> tuple[int, tuple[Device, ...]]:
         with self._lock:
             return self._version, self._devices
-
-    def wait_change(self, version: int, timeout: float) -> tuple[int, tuple[Device, ...], bool]:
-        """Block until the devices differ from ``version`` (or timeout / close)."""
-        with self._lock:
-            self._lock.wait_for(lambda: self._version != version or self._closed, timeout)
-            return self._version, self._devices, self._closed
 
     def present_nics(self) -> list[Nic]:
         """Selected NICs currently on the node, by RDMA device name."""
