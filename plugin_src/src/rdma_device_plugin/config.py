@@ -166,6 +166,13 @@ class HealthConfig(_Strict):
     policy: Literal["all", "any"] = Field(
         "all", description="Shared pool is Healthy when all (default) or any of its NICs have every port ACTIVE."
     )
+    vanish_grace_seconds: float = Field(
+        300.0,
+        alias="vanishGraceSeconds",
+        ge=0,
+        le=86400,
+        description="A selected NIC gone this long leaves its pool (until then it counts as Unhealthy).",
+    )
 
 
 class CharDevicesConfig(_Strict):

@@ -23,7 +23,7 @@ import grpc
 from . import cdi, netchecks
 from .config import ConfigError, PluginConfig, load_config, socket_name, socket_path_problems
 from .node import sysfs
-from .resources import ResourcePool, build_pools
+from .resources import NicHealth, ResourcePool, build_pools
 from .server import KUBELET_SOCKET, Hooks, PluginServer
 from .supervision import Backoff, LogOnce, remove_health, write_health
 from .verbs import VerbsProbe, verbs_unusable_reason
@@ -115,8 +115,10 @@ class Discovery:
                 )
         for pool in self.pools:
             mine = [n for n in nics if owners.get(n.name, [pool.name])[0] == pool.name]
+            before = pool.health_state()
             if pool.set_nics(mine):
                 LOG.info("devices changed", extra={"resource": pool.name, "nics": pool.nic_summary()})
+            self._log_health(pool, before)
         # A selected NIC whose uverbs node is not there yet (udev still creating it) is
         # re-read at every probe, so it becomes usable without waiting for the rediscovery timer.
         self._incomplete = any(
@@ -149,8 +151,18 @@ class Discovery:
     def _apply_states(self, states: dict[str, tuple[str, ...] | None]) -> None:
         self.hooks.port_states(states)
         for pool in self.pools:
-            if pool.set_port_states(states):
-                LOG.info("health changed", extra={"resource": pool.name, "nics": pool.nic_summary()})
+            before = pool.health_state()
+            pool.set_port_states(states)
+            self._log_health(pool, before)
+
+    @staticmethod
+    def _log_health(pool: ResourcePool, before: dict[str, NicHealth]) -> None:
+        """One line per NIC whose health changed, as a person reads it:
+        ``mlx5_bond_1 port 1 DOWN: rdma/hca Unhealthy (policy all)``."""
+        if not before:
+            return  # first discovery: "resource ready" says it
+        for line in pool.health_changes(before):
+            LOG.info("health changed: %s", line, extra={"resource": pool.name})
 
     def probe(self) -> None:
         names = sysfs.list_rdma_devices(self.sysfs_root)
