@@ -403,7 +403,7 @@ class Supervisor:
             )
             return
         backoff.succeeded()
-        self.once.cleared(f"serve {name}", f"serving {name} again", resource=name)
+        self.once.cleared(f"serve {name}", f"serving {name} again", extra={"resource": name})
         self._unregister(name)
         self._register_backoff[name].now_please()
 

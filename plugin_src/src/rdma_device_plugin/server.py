@@ -238,7 +238,12 @@ class PluginServer:
             await server.start()
             return server
 
-        server = _Loop.run(start())
+        if not os.path.isdir(self.dir):
+            raise OSError(f"the device-plugin dir {self.dir} does not exist")
+        try:
+            server = _Loop.run(start())
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..." (read-only or vanished dir)
+            raise OSError(f"cannot bind a unix socket in {self.dir}: {exc}") from None
         try:
             os.rename(tmp, self.path)
             self._inode = os.stat(self.path).st_ino

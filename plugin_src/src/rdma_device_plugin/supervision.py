@@ -47,17 +47,24 @@ class LogOnce:
     logger: logging.Logger
     _last: dict[str, str] = field(default_factory=dict)
 
-    def problem(self, key: str, message: str, *args: object, level: int = logging.WARNING, **extra: object) -> None:
+    def problem(
+        self,
+        key: str,
+        message: str,
+        *args: object,
+        level: int = logging.WARNING,
+        extra: dict[str, object] | None = None,
+    ) -> None:
         text = message % args if args else message
         if self._last.get(key) == text:
-            self.logger.debug(text, extra=extra or None)
+            self.logger.debug(text, extra=extra)
             return
         self._last[key] = text
-        self.logger.log(level, text, extra=extra or None)
+        self.logger.log(level, text, extra=extra)
 
-    def cleared(self, key: str, message: str | None = None, **extra: object) -> None:
+    def cleared(self, key: str, message: str | None = None, extra: dict[str, object] | None = None) -> None:
         if self._last.pop(key, None) is not None and message:
-            self.logger.info(message, extra=extra or None)
+            self.logger.info(message, extra=extra)
 
 
 DEFAULT_HEALTH_FILE = "/dev/shm/rdma-device-plugin.health"  # tmpfs, writable under readOnlyRootFilesystem

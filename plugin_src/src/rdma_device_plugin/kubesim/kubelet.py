@@ -479,20 +479,20 @@ class KubeletSimulator:
                 return allocated, ep
             needed = count - len(allocated)
             available = self.healthy[resource] - in_use - set(allocated)
-            if len(available) < needed:
-                raise AllocationFailed(
-                    f"requested number of devices unavailable for {resource}. "
-                    f"Requested: {needed}, Available: {len(available)}"
-                )
             numa_of = {i: tuple(n.ID for n in d.topology.nodes) for i, d in ep.devices.items()}
             options = ep.options
             stub = ep.stub
         affinity = None
-        if self.topology_policy == "single-numa-node":
+        if self.topology_policy == "single-numa-node":  # admission (hints) comes before allocation
             try:
                 affinity = topology.single_numa_node(topology.device_hints(numa_of, available, allocated, count))
             except ValueError as exc:
                 raise AllocationFailed(str(exc)) from None
+        if len(available) < needed:
+            raise AllocationFailed(
+                f"requested number of devices unavailable for {resource}. "
+                f"Requested: {needed}, Available: {len(available)}"
+            )
         if affinity is None:
             aligned, unaligned, no_affinity = set(), set(), set(available)
         else:
