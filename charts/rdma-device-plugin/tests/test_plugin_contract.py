@@ -72,3 +72,17 @@ def test_device_plugin_dir_is_the_kubelets(case: str, host: str) -> None:
     assert mount is not None
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     assert volume["hostPath"]["path"].rstrip("/") == host
+
+
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+def test_liveness_probe_runs_the_plugins_healthcheck_on_the_file_serve_writes(mode: str) -> None:
+    """The probe is the plugin's own `healthcheck`; serve and it agree on the health file
+    (a tmpfs path, writable under readOnlyRootFilesystem)."""
+    ds = daemonsets(CASES[sorted(CASES)[0]])[mode]
+    container = ds["spec"]["template"]["spec"]["containers"][0]
+    command = container["livenessProbe"]["exec"]["command"]
+    assert command[0] == "rdma-device-plugin"
+    probe = build_parser().parse_args(command[1:])
+    serve = build_parser().parse_args(container["args"])
+    assert probe.command == "healthcheck" and probe.health_file == serve.health_file
+    assert serve.health_file.startswith("/dev/shm/")

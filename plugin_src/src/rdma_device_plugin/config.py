@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .node.selectors import MELLANOX_VENDOR, Selectors
@@ -316,6 +315,8 @@ def load_config_data(data: Any, source: str = "<data>") -> PluginConfig:
 
 
 def load_config_text(text: str, source: str = "<text>") -> PluginConfig:
+    import yaml  # only when there is a file to read (the built-in defaults need no YAML)
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
