@@ -196,6 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _discover(args)
         if args.command == "fixture":
             return _fixture(args)
+        if not args.metrics_address:
+            # asyncio (which grpc imports) imports ssl for TLS transports this process never
+            # uses (unix sockets; grpc's TLS lives in its C core): about 1.2 MiB of RSS. asyncio
+            # handles ssl being unavailable. prometheus_client needs it, hence only without metrics.
+            sys.modules.setdefault("ssl", None)  # type: ignore[arg-type]
         from .daemon import serve
 
         return serve(args)

@@ -100,6 +100,8 @@ class ResourcePool:
         self._devices: tuple[Device, ...] = ()
         self._device_ids: frozenset[str] = frozenset()  # derived from _devices, for Allocate
         self._shared_allocation: ContainerAllocation | None = None  # shared mode: the same for every pod
+        # exclusive mode: one answer per requested ID list, derived once per NIC change
+        self._exclusive_allocations: dict[tuple[str, ...], ContainerAllocation] = {}
         self._closed = False
         self._listeners: list[Callable[[], None]] = []  # called (under the lock) when devices change
         short = self.name.split("/", 1)[1]
@@ -119,6 +121,7 @@ class ResourcePool:
         with self._lock:
             self._nics = selected
             self._shared_allocation = None  # char devices may have changed
+            self._exclusive_allocations.clear()
             for key, nic in selected.items():
                 old = self._seen.get(key)
                 if old is not None and old.name != nic.name:
@@ -273,10 +276,17 @@ class ResourcePool:
                     self._shared_allocation = self._allocation_of(sorted(self._nics.values(), key=lambda n: n.name))
                 return self._shared_allocation
             # Exclusive device IDs are PCI addresses, which are the NICs' identities.
+            key = tuple(device_ids)
+            cached = self._exclusive_allocations.get(key)
+            if cached is not None:
+                return cached
             gone = [d for d in device_ids if d not in self._nics]
             if gone:
                 raise AllocationError(f"NIC(s) {gone} of resource {self.name} are no longer present")
-            return self._allocation_of([self._nics[d] for d in device_ids])
+            alloc = self._allocation_of([self._nics[d] for d in device_ids])
+            if len(self._exclusive_allocations) < 4096:  # bounded: a node has a handful of NICs
+                self._exclusive_allocations[key] = alloc
+            return alloc
 
     def _allocation_of(self, nics: list[Nic]) -> ContainerAllocation:
         nics = [n for n in nics if n.uverbs is not None and n.uverbs.present]

@@ -132,6 +132,18 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         self.on_stream_end = on_stream_end
         self.stopping = False
         self.streams = 0  # open ListAndWatch streams
+        # The pool hands out the same ContainerAllocation until its NICs change: build its
+        # protobuf answer once (keyed by identity; the allocation itself is kept alive here).
+        self._messages: dict[int, tuple[ContainerAllocation, Any]] = {}
+
+    def _message(self, alloc: ContainerAllocation) -> Any:
+        entry = self._messages.get(id(alloc))
+        if entry is None or entry[0] is not alloc:
+            if len(self._messages) >= 4096:
+                self._messages.clear()
+            entry = (alloc, allocation_message(alloc))
+            self._messages[id(alloc)] = entry
+        return entry[1]
 
     async def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
         return pb.DevicePluginOptions(
@@ -172,7 +184,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         try:
             for creq in request.container_requests:
                 alloc = self.pool.allocate(list(creq.devices_ids))
-                response.container_responses.append(allocation_message(alloc))
+                response.container_responses.append(self._message(alloc))
                 LOG.info(
                     "allocated",
                     extra={"resource": self.pool.name, "ids": len(creq.devices_ids), "nics": ",".join(alloc.nics)},
