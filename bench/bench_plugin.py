@@ -14,6 +14,7 @@ clients in this process, so every RPC figure is shown next to a no-op RPC
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
@@ -32,9 +33,9 @@ import report
 import yaml
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubelet_sim import KubeletSimulator
+from rdma_device_plugin.config import socket_name
+from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures
-from rdma_device_plugin.resources import socket_name
 
 RES = "rdma/hca"
 # Raw seconds per figure, for the plot: {"RPC latency": {"exclusive, 1 caller: Allocate": [...]}, ...}
@@ -314,9 +315,126 @@ def bench_idle(out: list[str], samples: Samples, quick: bool) -> None:
         f"| {used:.2f} | {100 * used / window:.2f} | {probes:.0f} | {1000 * used / probes:.2f} "
         f"| {rss0 / 1024:.1f} | {rss1 / 1024:.1f} | {threads} |",
         "",
-        "CPU per probe charges all idle CPU (probe thread, socket watch loop at 10 Hz, the open "
-        "stream's 1 s wake-ups) to the probes, so it is an upper bound. /proc tick resolution is "
+        "CPU per probe charges all idle CPU (probe thread, socket watch loop at 10 Hz, the health "
+        "file written once a second) to the probes, so it is an upper bound. /proc tick resolution is "
         f"{1000 / os.sysconf('SC_CLK_TCK'):.0f} ms.",
+        "",
+    ]
+
+
+# --------------------------------------------------------------------------- memory
+
+# What `serve` imports, in order, with the RSS each step adds (a fresh interpreter per run).
+IMPORT_STEPS = (
+    "argparse",
+    "logging",
+    "rdma_device_plugin.cli",
+    "grpc",
+    "rdma_device_plugin.api.deviceplugin_pb2_grpc",
+    "pydantic",
+    "rdma_device_plugin.config",
+    "rdma_device_plugin.resources",
+    "rdma_device_plugin.server",
+    "rdma_device_plugin.daemon",
+    "yaml",
+)
+IMPORT_PROBE = """
+import importlib, json, sys
+sys.modules.setdefault("ssl", None)  # as `serve` does without metrics
+def rss():
+    with open("/proc/self/status") as fh:
+        return next(int(l.split()[1]) for l in fh if l.startswith("VmRSS:"))
+out = [["python", rss()]]
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    out.append([name, rss()])
+from rdma_device_plugin.config import PluginConfig
+PluginConfig()
+out.append(["PluginConfig() built", rss()])
+print(json.dumps(out))
+"""
+
+
+def bench_memory(out: list[str], samples: Samples, quick: bool) -> None:
+    rows = []
+    with Rig(fixtures.lingjun_node(nics=4), {}) as rig:
+        time.sleep(5.0)  # steady: first snapshot sent, a few probes and re-lists done
+        rows.append(("default config (1 pool x 1000, 4 NICs)", rss_kib(rig.pid), peak_kib(rig.pid)))
+    names = [RES, "rdma/pool1", "rdma/pool2", "rdma/pool3"]  # the rig waits for RES
+    config = {"resources": [{"name": n, "sharedDevices": 10000} for n in names]}
+    with Rig(fixtures.lingjun_node(nics=4), config) as rig:
+        for n in names[1:]:
+            rig.sim.wait_registered(n, timeout=60)
+        for _ in range(2 if quick else 3):  # health flips: every pool re-sends 10 000 devices
+            rig.fx.set_port_state("mlx5_bond_0", "DOWN")
+            time.sleep(1.0)
+            rig.fx.set_port_state("mlx5_bond_0", "ACTIVE")
+            time.sleep(1.0)
+        rows.append(("4 pools x 10 000 devices, 3 health flips", rss_kib(rig.pid), peak_kib(rig.pid)))
+    probe = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, *IMPORT_STEPS], capture_output=True, text=True, check=True
+    )
+    steps = [(str(n), int(k)) for n, k in json.loads(probe.stdout)]
+    out += [
+        "### Memory of `serve` (VmRSS; sysfs port states, no metrics)",
+        "",
+        "| setup | VmRSS (MiB) | VmHWM peak (MiB) |",
+        "|---|---|---|",
+        *(f"| {name} | {rss / 1024:.1f} | {hwm / 1024:.1f} |" for name, rss, hwm in rows),
+        "",
+        "Import breakdown (a fresh interpreter importing the serve path step by step):",
+        "",
+        "| step | adds (MiB) | total (MiB) |",
+        "|---|---|---|",
+        *(
+            f"| {name} | {(kib - steps[i - 1][1]) / 1024 if i else 0:.1f} | {kib / 1024:.1f} |"
+            for i, (name, kib) in enumerate(steps)
+        ),
+        "",
+    ]
+
+
+def peak_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        return next((int(line.split()[1]) for line in fh if line.startswith("VmHWM:")), 0)
+
+
+# --------------------------------------------------------------------------- Allocate with open streams
+
+
+def bench_open_streams(out: list[str], samples: Samples, quick: bool) -> None:
+    """Allocate while the kubelet's never-closed old streams pile up (they cost a coroutine each)."""
+    rows = []
+    with Rig(fixtures.lingjun_node(nics=4), {"mode": "exclusive"}) as rig:
+        ids = sorted(rig.sim.devices(RES))
+        channels = [rig.channel() for _ in range(10)]
+        streams: list[Any] = []
+        try:
+            for target in (0, 100):
+                while len(streams) < target:
+                    stream = pb_grpc.DevicePluginStub(channels[len(streams) % 10]).ListAndWatch(pb.Empty())
+                    next(stream)
+                    streams.append(stream)
+                stub = pb_grpc.DevicePluginStub(channels[0])
+                req = pb.AllocateRequest()
+                req.container_requests.add(devices_ids=ids[:1])
+                lat = []
+                for _ in range(100 if quick else 500):
+                    t0 = time.perf_counter()
+                    stub.Allocate(req, timeout=60)
+                    lat.append(time.perf_counter() - t0)
+                rows.append(dist_row(f"Allocate, {target} ListAndWatch streams open", lat))
+        finally:
+            for stream in streams:
+                stream.cancel()
+            for ch in channels:
+                ch.close()
+    out += [
+        "### Allocate with open ListAndWatch streams (exclusive, 4 NICs, 1 caller, ms)",
+        "",
+        "| what | calls | p50 | p90 | p99 | max |",
+        "|---|---|---|---|---|---|",
+        *rows,
         "",
     ]
 
@@ -397,6 +515,8 @@ SECTIONS = (
     ("RPC latency, exclusive mode", bench_latency),
     ("snapshots", bench_snapshots),
     ("idle cost", bench_idle),
+    ("memory", bench_memory),
+    ("Allocate with open streams", bench_open_streams),
     ("recovery", bench_recovery),
 )
 

@@ -93,3 +93,40 @@ def test_valid_resource_names(name: str) -> None:
 )
 def test_invalid_resource_names(name: str) -> None:
     assert resource_name_problem(name) is not None
+
+
+def test_resources_whose_socket_files_collide_are_refused() -> None:
+    """rdma/hca.v2 and rdma/hca-v2 both map to rdma-dp-rdma_hca-v2.sock: each would restart the other."""
+    with pytest.raises(ConfigError) as err:
+        load_config_text("resources: [{name: rdma/hca.v2}, {name: rdma/hca-v2}]")
+    assert "resources: resource names ['rdma/hca.v2', 'rdma/hca-v2'] map to the same socket file" in str(err.value)
+
+
+@pytest.mark.parametrize("count", [1, 9, 10, 11, 99, 100, 1000, 12345])
+def test_worst_case_snapshot_size_is_the_wire_size(count: int) -> None:
+    """The arithmetic matches protobuf's own encoding of an all-Unhealthy shared pool."""
+    from rdma_device_plugin.api import deviceplugin_pb2 as pb
+    from rdma_device_plugin.config import worst_case_snapshot_bytes
+
+    msg = pb.ListAndWatchResponse(devices=[pb.Device(ID=f"hca-{i}", health="Unhealthy") for i in range(count)])
+    assert worst_case_snapshot_bytes("rdma/hca", count) == msg.ByteSize()
+
+
+def test_a_pool_over_the_kubelets_4_mib_message_limit_is_refused_with_the_count_that_fits() -> None:
+    from rdma_device_plugin.config import MAX_MESSAGE_BYTES, largest_fitting_count, worst_case_snapshot_bytes
+
+    name = "rdma/" + "x" * 60
+    fits = largest_fitting_count(name)
+    assert worst_case_snapshot_bytes(name, fits) <= MAX_MESSAGE_BYTES < worst_case_snapshot_bytes(name, fits + 1)
+    with pytest.raises(ConfigError) as err:
+        load_config_text(f"resources: [{{name: {name}, sharedDevices: 100000}}]")
+    assert f"over the kubelet's 4 MiB limit; at most {fits} fit with this name" in str(err.value)
+    load_config_text(f"resources: [{{name: {name}, sharedDevices: {fits}}}]")
+    load_config_text("resources: [{name: rdma/hca, sharedDevices: 100000}]")  # short names fit the maximum
+
+
+def test_config_file_that_is_not_utf8_is_one_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"mode: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text .*write the file as UTF-8 YAML"):
+        load_config(str(path))

@@ -86,3 +86,17 @@ def test_metrics_address_parses_for_either_ip_family(pod_ip: str, host: str) -> 
     args = build_parser().parse_args(container["args"])
     assert any(e["name"] == "POD_IP" for e in container["env"])
     assert parse_address(args.metrics_address.replace("$(POD_IP)", pod_ip)) == (host, 9500)
+
+
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+def test_liveness_probe_runs_the_plugins_healthcheck_on_the_file_serve_writes(mode: str) -> None:
+    """The probe is the plugin's own `healthcheck`; serve and it agree on the health file
+    (a tmpfs path, writable under readOnlyRootFilesystem)."""
+    ds = daemonsets(CASES[sorted(CASES)[0]])[mode]
+    container = ds["spec"]["template"]["spec"]["containers"][0]
+    command = container["livenessProbe"]["exec"]["command"]
+    assert command[0] == "rdma-device-plugin"
+    probe = build_parser().parse_args(command[1:])
+    serve = build_parser().parse_args(container["args"])
+    assert probe.command == "healthcheck" and probe.health_file == serve.health_file
+    assert serve.health_file.startswith("/dev/shm/")

@@ -8,14 +8,12 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-
-from . import __version__
-from .config import ConfigError, config_json_schema, load_config
-from .node import fixtures, sysfs
+from typing import Any
 
 LOG = logging.getLogger("rdma_device_plugin")
 
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+from .supervision import DEFAULT_HEALTH_FILE  # noqa: E402 - standard library only, cheap
 
 
 def _env(name: str, default: str) -> str:
@@ -39,12 +37,24 @@ def _add_logging(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", default=_env("LOG_FORMAT", "text"), choices=["text", "json"])
 
 
+class _Version(argparse.Action):
+    """--version without paying for importlib.metadata unless asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from . import __version__
+
+        parser.exit(message=f"rdma-device-plugin {__version__}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rdma-device-plugin",
         description="Kubernetes device plugin for RDMA NICs (shared and exclusive mode).",
     )
-    parser.add_argument("--version", action="version", version=f"rdma-device-plugin {__version__}")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command")
 
     serve = sub.add_parser("serve", help="serve the kubelet (default)")
@@ -66,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("STATUS_FILE", ""),
         help="status file for `rdma-device-plugin status` (default <device-plugin-dir>/rdma-device-plugin/status.json)",
     )
+    serve.add_argument(
+        "--health-file",
+        default=_env("HEALTH_FILE", DEFAULT_HEALTH_FILE),
+        help=f"liveness heartbeat file read by `healthcheck` (default {DEFAULT_HEALTH_FILE}; empty: none)",
+    )
+    serve.add_argument(
+        "--verbs-dev-dir",
+        default=_env("VERBS_DEV_DIR", "/dev/infiniband"),
+        help="this process's own /dev/infiniband: pyverbs is used only when it holds usable uverbs devices",
+    )
     _add_logging(serve)
 
     st = sub.add_parser("status", help="print this node's mode, resources, NICs with health and why, last allocations")
@@ -76,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--status-file", default=_env("STATUS_FILE", ""), help="read this status file instead")
     st.add_argument("--output", "-o", choices=["text", "json"], default="text")
+
+    hc = sub.add_parser("healthcheck", help="exit 0 when the serving process is live (the chart's livenessProbe)")
+    hc.add_argument("--health-file", default=_env("HEALTH_FILE", DEFAULT_HEALTH_FILE), help="the file `serve` writes")
 
     disc = sub.add_parser("discover", help="print the RDMA NICs found and which resource selects them")
     disc.add_argument("--config", default=None, help="config file whose selectors to apply")
@@ -99,7 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _healthcheck(args: argparse.Namespace) -> int:
+    from .supervision import check_health
+
+    problems = check_health(args.health_file)
+    for problem in problems:
+        print(f"rdma-device-plugin: not live: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def _discover(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .node import sysfs
+
     config = load_config(args.config)
     nics = sysfs.read_nics(args.sysfs_root, args.dev_root)
     owner: dict[str, str] = {}
@@ -136,6 +171,8 @@ def _discover(args: argparse.Namespace) -> int:
 
 
 def _fixture(args: argparse.Namespace) -> int:
+    from .node import fixtures
+
     if args.spec:
         import yaml
 
@@ -180,6 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
+    if args.command == "healthcheck":  # cheap: the liveness probe runs it every few seconds
+        return _healthcheck(args)
+    from .config import ConfigError, config_json_schema
+
     if args.command == "config-schema":
         print(json.dumps(config_json_schema(), indent=2))
         return 0
@@ -193,6 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _discover(args)
         if args.command == "fixture":
             return _fixture(args)
+        if not args.metrics_address:
+            # asyncio (which grpc imports) imports ssl for TLS transports this process never
+            # uses (unix sockets; grpc's TLS lives in its C core): about 1.2 MiB of RSS. asyncio
+            # handles ssl being unavailable. prometheus_client needs it, hence only without metrics.
+            sys.modules.setdefault("ssl", None)  # type: ignore[arg-type]
         from .daemon import serve
 
         return serve(args)

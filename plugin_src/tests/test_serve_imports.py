@@ -1,0 +1,35 @@
+"""`serve` imports only what serving needs (memory: bench/RESULTS.md), and `healthcheck` is cheap."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+PROBE = """
+import json, sys
+from rdma_device_plugin import cli
+{extra}
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def _modules(extra: str = "") -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(extra=extra)], capture_output=True, text=True, check=True, timeout=120
+    )
+    return set(json.loads(out.stdout))
+
+
+def test_serve_path_leaves_out_the_simulator_fixtures_pyverbs_and_metrics() -> None:
+    mods = _modules("from rdma_device_plugin import daemon")
+    unwanted = {m for m in mods if m.split(".")[1:2] in (["kubesim"], ["sim_cli"], ["metrics"])}
+    unwanted |= {m for m in mods if m in ("rdma_device_plugin.node.fixtures", "pyverbs", "prometheus_client")}
+    assert not unwanted
+    assert "yaml" not in mods, "YAML is read only when there is a config file"
+
+
+def test_healthcheck_imports_neither_grpc_nor_pydantic() -> None:
+    mods = _modules("cli.build_parser().parse_args(['healthcheck']); from rdma_device_plugin import supervision")
+    assert not {m for m in mods if m.split(".")[0] in ("grpc", "pydantic", "google", "yaml")}
+    assert "importlib.metadata" not in mods, "the version is read only for --version"
