@@ -57,6 +57,7 @@ class Check:
     passed: bool
     detail: str  # the problem when failed, what was seen when passed
     fix: str = ""  # "" when passed
+    label: str | None = None  # message prefix; None = "<nic> (<netdev>)", "" = none (a check over several NICs)
 
     @property
     def problem(self) -> str:
@@ -64,7 +65,9 @@ class Check:
 
     def message(self) -> str:
         """``<nic> (<netdev>): <detail>``, plus ``. Fix: <fix>`` when failed."""
-        label = f"{self.nic} ({self.netdev})" if self.nic and self.netdev else self.nic
+        label = self.label
+        if label is None:
+            label = f"{self.nic} ({self.netdev})" if self.nic and self.netdev else self.nic
         text = f"{label}: {self.detail}" if label else self.detail
         return text if self.passed else f"{text}. Fix: {self.fix}"
 
