@@ -73,8 +73,9 @@ def _entry(host: str, node_name: str, fact: Any, today: str) -> dict[str, Any]:
     base = {"host": host, "node_name": node_name, "validated_on": today}
     if not isinstance(fact, dict) or not fact.get("validated", True) or "checks" not in fact:
         reason = NOT_VALIDATED
-        if isinstance(fact, dict) and fact.get("error"):
-            reason = f"not validated: {fact['error']}"
+        errors = fact.get("errors") if isinstance(fact, dict) else None
+        if errors:
+            reason = "not validated: " + "; ".join(f"{role}: {msg}" for role, msg in sorted(errors.items()))
         return {**base, "validated": False, "passed": False, "failed": [reason], "checks": [], "summary": {}}
     checks = list(fact.get("checks") or [])
     failed = [c["name"] + (f" {c['nic']}" if c.get("nic") else "") for c in checks if not c.get("passed")]
