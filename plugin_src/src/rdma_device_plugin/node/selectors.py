@@ -42,7 +42,9 @@ class Selectors:
         for k, v in data.items():
             if isinstance(v, str) or (v is not None and not isinstance(v, Sequence)):
                 # a string would select by its characters ("15b3" -> "1", "5", ...): no NIC at all
-                raise ValueError(f"selector {k} must be a list of strings, not {v!r}; write {k}: [{json.dumps(str(v))}]")
+                raise ValueError(
+                    f"selector {k} must be a list of strings, not {v!r}; write {k}: [{json.dumps(str(v))}]"
+                )
         kwargs = {keys[k]: tuple(str(v) for v in data[k]) for k in data if data[k] is not None}
         return cls(**kwargs)
 
