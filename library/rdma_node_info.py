@@ -163,7 +163,11 @@ node:
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.rdma_node import ipv6checks, nicchecks, selectors, sysfs
+
+try:  # installed as the lingjun.rdma collection
+    from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_node import ipv6checks, nicchecks, selectors, sysfs
+except ImportError:  # run from this repository (ansible.cfg: module_utils = ./module_utils)
+    from ansible.module_utils.rdma_node import ipv6checks, nicchecks, selectors, sysfs  # type: ignore[no-redef]
 
 NIC_OPTIONS = (
     "modules",
