@@ -18,7 +18,7 @@ Roles: `lingjun.rdma.rdma_nic_validate`, `lingjun.rdma.ipv6_compute_validate`, `
 `lingjun.rdma.rdma_mode_switch`. Modules: `lingjun.rdma.rdma_node_info`, `lingjun.rdma.rdma_validation_report`, ...
 Playbooks: `lingjun.rdma.validate`, `lingjun.rdma.deploy`, ... See the project's README and docs/.
 MD
-printf 'requires_ansible: ">=2.17.0"\n' > "$stage/meta/runtime.yml"
+cp meta/runtime.yml "$stage/meta/"
 cp -r roles playbooks "$stage/"
 cp library/*.py "$stage/plugins/modules/"
 cp -rL module_utils/rdma_node "$stage/plugins/module_utils/rdma_node"

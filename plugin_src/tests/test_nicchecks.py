@@ -42,7 +42,8 @@ def test_a_healthy_node_passes_every_check_in_order(short_tmp: Path) -> None:
     )
     by_name = {(c.name, c.nic): c.message() for c in checks}
     assert by_name["rdma_devices", ""] == (
-        '4 RDMA device(s) match rdma_selectors {"vendors": ["15b3"]} (mlx5_bond_0, mlx5_bond_1, mlx5_bond_2, mlx5_bond_3)'
+        '4 RDMA device(s) match rdma_selectors {"vendors": ["15b3"]} '
+        "(mlx5_bond_0, mlx5_bond_1, mlx5_bond_2, mlx5_bond_3)"
     )
     assert by_name["rate", "mlx5_bond_1"] == "mlx5_bond_1: rate 200 Gb/sec (4X HDR)"
     assert by_name["firmware_consistent", ""] == "every NIC runs firmware 28.39.1002"
@@ -127,7 +128,8 @@ def test_link_layer_infiniband_fails_every_nic_when_ethernet_is_wanted(short_tmp
     assert [f for f in _failed(checks) if f[0] == "link_layer"] == [("link_layer", f"mlx5_bond_{i}") for i in range(4)]
     msg = next(c.message() for c in checks if c.name == "link_layer" and c.nic == "mlx5_bond_2")
     assert msg.startswith(
-        "mlx5_bond_2: link layer is InfiniBand, expected Ethernet. Fix: set the port type with mlxconfig (LINK_TYPE_P1=ETH)"
+        "mlx5_bond_2: link layer is InfiniBand, expected Ethernet. "
+        "Fix: set the port type with mlxconfig (LINK_TYPE_P1=ETH)"
     )
 
 
@@ -147,11 +149,13 @@ def test_a_missing_or_wrong_root_is_reported_as_such(short_tmp: Path) -> None:
     assert [(c.passed, c.message()) for c in bad] == [
         (
             False,
-            f"the sysfs root {short_tmp}/nope does not exist. Fix: set rdma_sysfs_root to where the node's sysfs is mounted.",
+            f"the sysfs root {short_tmp}/nope does not exist. "
+            "Fix: set rdma_sysfs_root to where the node's sysfs is mounted.",
         ),
         (
             False,
-            f"the procfs root {node.sysfs} is not a procfs tree (no net/ under it). Fix: set rdma_procfs_root to where the node's procfs is mounted.",
+            f"the procfs root {node.sysfs} is not a procfs tree (no net/ under it). "
+            "Fix: set rdma_procfs_root to where the node's procfs is mounted.",
         ),
         (True, f"dev root {node.dev}"),
     ]

@@ -185,7 +185,10 @@ def _netdev_checks(
         detail, fix = "global IPv6 " + ", ".join(addrs), ""
     else:
         detail = f"no global IPv6 address on {netdev}"
-        fix = f"configure the compute network IPv6 address on {netdev} (the bond for a RoCE LAG) in the node network config."
+        fix = (
+            f"configure the compute network IPv6 address on {netdev} (the bond for a RoCE LAG) "
+            "in the node network config."
+        )
     add(GLOBAL_ADDRESS, bool(addrs) and not state.unusable, detail, fix)
     if not addrs:
         return out  # the route and the GID belong to an address
