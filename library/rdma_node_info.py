@@ -80,6 +80,16 @@ options:
     description: Every selected NIC must run the same firmware version.
     type: bool
     default: true
+  record_host:
+    description:
+      - Inventory host name; when set, the finished checks are also returned as the host's
+        C(rdma_validation) fact (C(ansible_facts)), the shape the validation roles record, so
+        that C(playbooks/validate.yml) needs no further task per node.
+    type: str
+  ipv6_record:
+    description: With I(record_host), record the IPv6 checks (false records the IPv6 compute network as not checked).
+    type: bool
+    default: false
   details:
     description: Return the full NIC data (C(nics) as dicts, C(ipv6) per netdev); false returns NIC names only.
     type: bool
@@ -249,6 +259,8 @@ def main() -> None:
             "min_fw_version": {"type": "str"},
             "fw_consistent": {"type": "bool", "default": True},
             "details": {"type": "bool", "default": False},
+            "record_host": {"type": "str"},
+            "ipv6_record": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )
@@ -276,9 +288,9 @@ def main() -> None:
     if any(not c.passed for c in roots):
         # A wrong root is one finding, not "module not loaded" and "0 RDMA devices".
         failed = [c for c in roots if not c.passed]
-        module.exit_json(
-            changed=False,
-            node={
+        _exit(
+            module,
+            {
                 "sysfs_root": p["sysfs_root"],
                 "procfs_root": p["procfs_root"],
                 "dev_root": p["dev_root"],
@@ -355,7 +367,27 @@ def main() -> None:
     }
     if p["details"]:
         node["ipv6"] = {netdev: _ipv6(netdev, netdevs[netdev], owners) for netdev, owners in compute.items()}
-    module.exit_json(changed=False, node=node)
+    _exit(module, node)
+
+
+def _exit(module: AnsibleModule, node: dict[str, Any]) -> None:
+    """Return the read; with record_host, also the host's rdma_validation fact (both roles' rows)."""
+    host = module.params["record_host"]
+    if not host:
+        module.exit_json(changed=False, node=node)
+    checks, summary = node["checks"], node["summary"]
+    ipv6 = module.params["ipv6_record"]
+    fact = {
+        "node": host,
+        "validated": True,
+        "errors": {},
+        "checks": checks["rdma_nic_validate"] + (checks["ipv6_compute_validate"] if ipv6 else []),
+        "summary": {
+            **summary["rdma_nic_validate"],
+            **(summary["ipv6_compute_validate"] if ipv6 else {"ipv6": "not checked (hostNetwork)"}),
+        },
+    }
+    module.exit_json(changed=False, node=node, ansible_facts={"rdma_validation": fact})
 
 
 if __name__ == "__main__":
