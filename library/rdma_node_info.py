@@ -387,7 +387,9 @@ def _exit(module: AnsibleModule, node: dict[str, Any]) -> None:
             **(summary["ipv6_compute_validate"] if ipv6 else {"ipv6": "not checked (hostNetwork)"}),
         },
     }
-    module.exit_json(changed=False, node=node, ansible_facts={"rdma_validation": fact})
+    # The fact is the result: the node's read is not returned again (controller memory at fleet scale).
+    lean = {k: node[k] for k in ("sysfs_root", "procfs_root", "dev_root", "options")}
+    module.exit_json(changed=False, node=lean, ansible_facts={"rdma_validation": fact})
 
 
 if __name__ == "__main__":
