@@ -7,7 +7,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo stop status test lint test-plugin test-chart test-ops test-molecule image bench proto clean
+.PHONY: help setup system-deps demo stop status test lint test-plugin test-chart test-ops test-molecule collection image bench bench-fleet proto clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -62,9 +62,12 @@ test-ops: setup ## automation and docs: example inventory offline check, typed v
 test-molecule: setup system-deps ## every molecule scenario, for real on localhost
 	bash scripts/run-molecule.sh
 
+collection: setup ## build the lingjun.rdma collection (ansible-galaxy), install it from the tarball, use its roles by FQCN
+	bash scripts/build-collection.sh --check
+
 test: setup system-deps ## everything CI runs; ends with one "N passed, N failed" line
 	rm -rf out/test-results
-	$(MAKE) --no-print-directory lint test-plugin test-chart test-ops test-molecule
+	$(MAKE) --no-print-directory lint test-plugin test-chart test-ops test-molecule collection
 	$(PY) scripts/test-summary.py out/test-results
 
 image: setup system-deps ## build the image with buildah and push it to a registry on 127.0.0.1 (the plugin-image scenario)
@@ -72,6 +75,9 @@ image: setup system-deps ## build the image with buildah and push it to a regist
 
 bench: setup ## benchmark figures with progress, load average, ratios to bench/RESULTS.md, plot in out/bench/
 	$(PY) bench/bench_plugin.py
+
+bench-fleet: setup ## Ansible at fleet scale: ping vs validate per host over N fixture hosts (bench/fleet.py)
+	$(PY) bench/fleet.py --hosts 120
 
 proto: setup ## regenerate the gRPC code from api/deviceplugin.proto
 	bash scripts/check-proto.sh --write

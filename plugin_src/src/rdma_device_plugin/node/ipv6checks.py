@@ -57,6 +57,7 @@ class Check:
     passed: bool
     detail: str  # the problem when failed, what was seen when passed
     fix: str = ""  # "" when passed
+    label: str | None = None  # message prefix; None = "<nic> (<netdev>)", "" = none (a check over several NICs)
 
     @property
     def problem(self) -> str:
@@ -64,7 +65,9 @@ class Check:
 
     def message(self) -> str:
         """``<nic> (<netdev>): <detail>``, plus ``. Fix: <fix>`` when failed."""
-        label = f"{self.nic} ({self.netdev})" if self.nic and self.netdev else self.nic
+        label = self.label
+        if label is None:
+            label = f"{self.nic} ({self.netdev})" if self.nic and self.netdev else self.nic
         text = f"{label}: {self.detail}" if label else self.detail
         return text if self.passed else f"{text}. Fix: {self.fix}"
 
@@ -86,16 +89,25 @@ class NetdevIpv6:
     """What procfs shows about one compute netdev."""
 
     disabled: bool | None  # disable_ipv6 of the netdev or all; None when unknown
-    addresses: tuple[procfs.Inet6Address, ...] = ()  # global addresses only
+    addresses: tuple[procfs.Inet6Address, ...] = ()  # usable global addresses only
+    unusable: tuple[procfs.Inet6Address, ...] = ()  # global addresses that are tentative or dadfailed
     routes: tuple[procfs.Ipv6Route, ...] = ()  # routes through it (no link-local, no host routes)
 
 
 def read_netdev(procfs_root: str, netdev: str) -> NetdevIpv6:
+    found = procfs.global_addresses(procfs_root, netdev)
     return NetdevIpv6(
         disabled=procfs.ipv6_disabled(procfs_root, netdev),
-        addresses=tuple(procfs.global_addresses(procfs_root, netdev)),
+        addresses=tuple(a for a in found if not a.unusable),
+        unusable=tuple(a for a in found if a.unusable),
         routes=tuple(procfs.routes_via(procfs_root, netdev)),
     )
+
+
+_UNUSABLE = {
+    "tentative": "tentative (duplicate address detection has not finished: is the link up?)",
+    "dadfailed": "dadfailed (another host on the compute network has this address)",
+}
 
 
 def roce_v2_gids(nic: sysfs.Nic, netdev: str) -> dict[str, int]:
@@ -162,12 +174,22 @@ def _netdev_checks(
     )
 
     addrs = [a.address for a in state.addresses]
-    add(
-        GLOBAL_ADDRESS,
-        bool(addrs),
-        "global IPv6 " + ", ".join(addrs) if addrs else f"no global IPv6 address on {netdev}",
-        f"configure the compute network IPv6 address on {netdev} (the bond for a RoCE LAG) in the node network config.",
-    )
+    if state.unusable:
+        bad = ", ".join(f"{a.address} is {_UNUSABLE[a.unusable]}" for a in state.unusable)
+        detail = f"global IPv6 address(es) on {netdev} that the kernel does not use: {bad}"
+        fix = (
+            f"bring {netdev} and its link up and wait for duplicate address detection; for a dadfailed "
+            f"address give {netdev} a unique address, then re-add it (ip -6 addr del/add)."
+        )
+    elif addrs:
+        detail, fix = "global IPv6 " + ", ".join(addrs), ""
+    else:
+        detail = f"no global IPv6 address on {netdev}"
+        fix = (
+            f"configure the compute network IPv6 address on {netdev} (the bond for a RoCE LAG) "
+            "in the node network config."
+        )
+    add(GLOBAL_ADDRESS, bool(addrs) and not state.unusable, detail, fix)
     if not addrs:
         return out  # the route and the GID belong to an address
 

@@ -14,6 +14,10 @@ from .sysfs import read_text
 SCOPE_GLOBAL = 0x00
 SCOPE_LINK = 0x20
 SCOPE_HOST = 0x10
+# ifa_flags (include/uapi/linux/if_addr.h); /proc/net/if_inet6 prints them as (u8)
+# (net/ipv6/addrconf.c: if6_seq_show), which keeps these two.
+IFA_F_DADFAILED = 0x08
+IFA_F_TENTATIVE = 0x40
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,15 @@ class Inet6Address:
     @property
     def is_global(self) -> bool:
         return self.scope == SCOPE_GLOBAL
+
+    @property
+    def unusable(self) -> str:
+        """Why the kernel does not use the address yet ("" when it does): DAD failed or pending."""
+        if self.flags & IFA_F_DADFAILED:
+            return "dadfailed"
+        if self.flags & IFA_F_TENTATIVE:
+            return "tentative"
+        return ""
 
     @property
     def gid(self) -> str:
@@ -105,6 +118,7 @@ def ipv6_disabled(procfs_root: str, ifname: str) -> bool | None:
 
 
 def global_addresses(procfs_root: str, ifname: str) -> list[Inet6Address]:
+    """Every global address on ifname, usable or not (see :attr:`Inet6Address.unusable`)."""
     return [a for a in read_if_inet6(procfs_root) if a.ifname == ifname and a.is_global]
 
 

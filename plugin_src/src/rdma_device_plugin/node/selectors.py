@@ -6,6 +6,7 @@ matches everything. The default selects every Mellanox/NVIDIA (vendor 15b3) NIC.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +39,12 @@ class Selectors:
         unknown = sorted(set(data) - set(keys))
         if unknown:
             raise ValueError(f"unknown selector key(s) {unknown}; allowed: {sorted(keys)}")
+        for k, v in data.items():
+            if isinstance(v, str) or (v is not None and not isinstance(v, Sequence)):
+                # a string would select by its characters ("15b3" -> "1", "5", ...): no NIC at all
+                raise ValueError(
+                    f"selector {k} must be a list of strings, not {v!r}; write {k}: [{json.dumps(str(v))}]"
+                )
         kwargs = {keys[k]: tuple(str(v) for v in data[k]) for k in data if data[k] is not None}
         return cls(**kwargs)
 

@@ -1,0 +1,211 @@
+#!/usr/bin/python
+"""Ansible module: write the fleet validation report (JSON + Markdown) on the controller."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: rdma_validation_report
+short_description: Write the RDMA fleet validation report, merged with the previous one
+description:
+  - Builds the fleet report from the C(rdma_validation) facts of the hosts of one run and
+    writes C(rdma-validation.json) and C(rdma-validation.md) into I(dest).
+  - Hosts of the run without results (unreachable, or failed before the checks) are listed as
+    not validated. Hosts of the previous report that this run did not cover (C(--limit)) keep
+    their entry and its date, so a stale entry is visible.
+  - Each entry of this run is dated (C(validated_on), UTC day); the same findings on the same
+    day rewrite nothing.
+  - In check mode nothing is written and no change is reported; C(msg) says what would be written.
+  - Linear in the number of hosts (the former Jinja report rebuilt lists per host).
+version_added: "0.2.0"
+author: rdma-device-plugin maintainers
+options:
+  dest:
+    description: Directory of the report files (created when missing).
+    type: path
+    required: true
+  hosts:
+    description: Inventory hosts of this run, in any order.
+    type: list
+    elements: str
+    required: true
+  results:
+    description: Host -> its C(rdma_validation) fact (null when the host has none).
+    type: dict
+    required: true
+  node_names:
+    description: Host -> Kubernetes node name, when it differs from the inventory host name.
+    type: dict
+    default: {}
+"""
+
+EXAMPLES = r"""
+- name: Write the fleet report
+  rdma_validation_report:
+    dest: /tmp/report
+    hosts: [node-a, node-b]
+    results: {node-a: "{{ hostvars['node-a'].rdma_validation }}", node-b: null}
+"""
+
+RETURN = r"""
+summary:
+  description: C(total), C(passed), C(failed) and C(not_validated) of the report (its nodes are in the files).
+  returned: always
+  type: dict
+paths:
+  description: The JSON and Markdown files.
+  returned: always
+  type: list
+  elements: str
+"""
+
+import datetime
+import json
+import os
+from typing import Any
+
+from ansible.module_utils.basic import AnsibleModule
+
+NOT_VALIDATED = "not validated (unreachable, or a task failed before the checks)"
+
+
+def _entry(host: str, node_name: str, fact: Any, today: str) -> dict[str, Any]:
+    base = {"host": host, "node_name": node_name, "validated_on": today}
+    if not isinstance(fact, dict) or not fact.get("validated", True) or "checks" not in fact:
+        reason = NOT_VALIDATED
+        errors = fact.get("errors") if isinstance(fact, dict) else None
+        if errors:
+            reason = "not validated: " + "; ".join(f"{role}: {msg}" for role, msg in sorted(errors.items()))
+        return {**base, "validated": False, "passed": False, "failed": [reason], "checks": [], "summary": {}}
+    checks = list(fact.get("checks") or [])
+    failed = [c["name"] + (f" {c['nic']}" if c.get("nic") else "") for c in checks if not c.get("passed")]
+    return {
+        **base,
+        "validated": True,
+        "passed": not failed,
+        "failed": failed,
+        "checks": checks,
+        "summary": dict(fact.get("summary") or {}),
+    }
+
+
+def build(
+    previous: dict[str, Any], hosts: list[str], results: dict[str, Any], names: dict[str, str], today: str
+) -> dict[str, Any]:
+    nodes = dict(previous.get("nodes") or {})
+    for host in hosts:
+        nodes[host] = _entry(host, str(names.get(host) or host), results.get(host), today)
+    nodes = dict(sorted(nodes.items()))
+    return {
+        "nodes": nodes,
+        "total": len(nodes),
+        "passed": sum(1 for n in nodes.values() if n.get("passed")),
+        "failed": [h for h, n in nodes.items() if not n.get("passed")],
+        "not_validated": [h for h, n in nodes.items() if not n.get("validated")],
+        "this_run": sorted(hosts),
+    }
+
+
+def _cell(value: Any) -> str:
+    text = ", ".join(str(v) for v in value) if isinstance(value, list) else str(value)
+    return (text or "-").replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    nodes = report["nodes"]
+    lines = [
+        "# RDMA node validation",
+        "",
+        f"{report['passed']} of {report['total']} node(s) passed"
+        + (f"; {len(report['not_validated'])} not validated" if report["not_validated"] else "")
+        + ". Entries not validated in the latest run keep their older date.",
+        "",
+        "| host | result | node | validated on | checks passed | checks failed | RDMA NICs | link layer "
+        "| firmware | driver | IPv6 compute | failed checks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for host, n in nodes.items():
+        s = n.get("summary") or {}
+        checks = n.get("checks") or []
+        result = "PASS" if n.get("passed") else ("FAIL" if n.get("validated") else "NOT VALIDATED")
+        ok = sum(1 for c in checks if c.get("passed"))
+        row = [
+            host,
+            result,
+            n.get("node_name", host),
+            n.get("validated_on", "-"),
+            ok,
+            len(checks) - ok,
+            s.get("nic_count", "-") if s.get("nic_count") is not None else "-",
+            s.get("link_layers") or "-",
+            s.get("firmware") or "-",
+            s.get("driver_version") or "-",
+            s.get("ipv6", "not checked"),
+            n.get("failed") or "-",
+        ]
+        lines.append("| " + " | ".join(_cell(v) for v in row) + " |")
+    bad = [(h, n) for h, n in nodes.items() if not n.get("passed")]
+    if bad:
+        lines += ["", "## Findings"]
+    for host, n in bad:
+        name = n.get("node_name", host)
+        lines += ["", f"### {host}" + (f" (node {name})" if name != host else "") + f", {n.get('validated_on', '-')}", ""]
+        failed_checks = [c for c in n.get("checks") or [] if not c.get("passed")]
+        for c in failed_checks:
+            lines.append(f"- **{c['name']}**" + (f" ({c['nic']})" if c.get("nic") else "") + f": {c['message']}")
+        if not failed_checks:
+            lines.append("- " + "; ".join(n.get("failed") or [NOT_VALIDATED]))
+    return "\n".join(lines) + "\n"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "dest": {"type": "path", "required": True},
+            "hosts": {"type": "list", "elements": "str", "required": True},
+            "results": {"type": "dict", "required": True},
+            "node_names": {"type": "dict", "default": {}},
+        },
+        supports_check_mode=True,
+    )
+    p = module.params
+    json_path = os.path.join(p["dest"], "rdma-validation.json")
+    md_path = os.path.join(p["dest"], "rdma-validation.md")
+    old_json = _read(json_path)
+    previous: dict[str, Any] = {}
+    if old_json:
+        try:
+            previous = json.loads(old_json)
+        except ValueError:
+            module.warn(f"{json_path} is not JSON; it is replaced, not merged")
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    report = build(previous, p["hosts"], p["results"], p["node_names"], today)
+    new_json = json.dumps(report, indent=4, sort_keys=True) + "\n"
+    new_md = markdown(report)
+    differs = old_json != new_json or _read(md_path) != new_md
+    paths = [json_path, md_path]
+    summary = {k: report[k] for k in ("total", "passed", "failed", "not_validated")}
+    if module.check_mode:
+        would = "would rewrite" if differs else "would leave unchanged"
+        module.exit_json(changed=False, summary=summary, paths=paths, msg=f"check mode: {would} {json_path} and {md_path}")
+    if differs:
+        os.makedirs(p["dest"], exist_ok=True)
+        for path, text in ((json_path, new_json), (md_path, new_md)):
+            tmp = path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)  # atomic: a reader never sees half a report
+    module.exit_json(changed=differs, summary=summary, paths=paths)
+
+
+if __name__ == "__main__":
+    main()

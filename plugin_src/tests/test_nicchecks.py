@@ -1,0 +1,168 @@
+"""node.nicchecks: the RDMA NIC checks of rdma_nic_validate, in Python on the node (was a Jinja template)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rdma_device_plugin.node import fixtures, ipv6checks, nicchecks, selectors, sysfs
+
+LINGJUN = nicchecks.Expectations(
+    expected_nics=4, link_layer="Ethernet", rate_gbps=200, min_driver_version="24.10-1.1.4", min_fw_version="28.39.1002"
+)
+PER_NIC = ["port_state", "link_layer", "rate", "firmware_min", "uverbs"]
+
+
+def _checks(root: Path, spec: fixtures.NodeSpec, want: nicchecks.Expectations = LINGJUN) -> list[ipv6checks.Check]:
+    node = fixtures.write_node(str(root), spec)
+    nics = sysfs.read_nics(node.sysfs, node.dev)
+    chosen = selectors.Selectors().select(nics)
+    read = nicchecks.NodeRead(
+        nics=chosen,
+        ignored=[n.name for n in nics if n not in chosen],
+        modules=sysfs.loaded_modules(node.sysfs, list(want.modules)),
+        driver_version=sysfs.module_version(node.sysfs, want.version_module),
+        rdma_cm=sysfs.rdma_cm(node.dev),
+    )
+    return nicchecks.check(read, want, node.sysfs, nicchecks.selection_text({"vendors": ["15b3"]}))
+
+
+def _failed(checks: list[ipv6checks.Check]) -> list[tuple[str, str]]:
+    return [(c.name, c.nic) for c in checks if not c.passed]
+
+
+def test_a_healthy_node_passes_every_check_in_order(short_tmp: Path) -> None:
+    checks = _checks(short_tmp / "ok", fixtures.lingjun_node(nics=4))
+    assert _failed(checks) == []
+    assert [(c.name, c.nic) for c in checks] == (
+        [("kernel_modules", ""), ("driver_version", ""), ("rdma_devices", "")]
+        + [(name, f"mlx5_bond_{i}") for i in range(4) for name in PER_NIC]
+        + [("firmware_consistent", ""), ("rdma_cm", "")]
+    )
+    by_name = {(c.name, c.nic): c.message() for c in checks}
+    assert by_name["rdma_devices", ""] == (
+        '4 RDMA device(s) match rdma_selectors {"vendors": ["15b3"]} '
+        "(mlx5_bond_0, mlx5_bond_1, mlx5_bond_2, mlx5_bond_3)"
+    )
+    assert by_name["rate", "mlx5_bond_1"] == "mlx5_bond_1: rate 200 Gb/sec (4X HDR)"
+    assert by_name["firmware_consistent", ""] == "every NIC runs firmware 28.39.1002"
+    assert by_name["rdma_cm", ""] == "/dev/infiniband/rdma_cm present"
+    # unset expectations are not checked
+    bare = _checks(short_tmp / "bare", fixtures.lingjun_node(nics=1), nicchecks.Expectations())
+    assert [c.name for c in bare] == ["kernel_modules", "rdma_devices", "port_state", "uverbs", "rdma_cm"]
+
+
+def _nic(spec: fixtures.NodeSpec, name: str, **changes: object) -> fixtures.NodeSpec:
+    return fixtures.with_nic_changes(spec, name, **changes)
+
+
+NODE = fixtures.lingjun_node(nics=4)
+
+
+@pytest.mark.parametrize(
+    ("spec", "failed", "message"),
+    [
+        (
+            fixtures.NodeSpec(nics=NODE.nics, modules=("mlx5_core", "ib_core", "ib_uverbs", "rdma_ucm")),
+            [("kernel_modules", "")],
+            "kernel module(s) mlx5_ib not loaded. Fix: modprobe mlx5_ib (install MLNX_OFED/DOCA-OFED or rdma-core "
+            "if a module is unknown) and list them in /etc/modules-load.d/.",
+        ),
+        (
+            fixtures.NodeSpec(nics=NODE.nics, driver_version="5.8-1.0.1"),
+            [("driver_version", "")],
+            "mlx5_core driver version is 5.8-1.0.1, required >= 24.10-1.1.4. Fix: install MLNX_OFED/DOCA-OFED",
+        ),
+        (
+            fixtures.NodeSpec(nics=NODE.nics, driver_version=""),
+            [("driver_version", "")],
+            "driver version is unknown (no ",
+        ),
+        (
+            fixtures.NodeSpec(nics=NODE.nics[:3]),
+            [("rdma_devices", "")],
+            "3 RDMA device(s) match rdma_selectors",
+        ),
+        (
+            _nic(NODE, "mlx5_bond_1", port_state="DOWN", phys_state="Disabled"),
+            [("port_state", "mlx5_bond_1")],
+            "mlx5_bond_1: port 1 is DOWN/Disabled, expected ACTIVE/LinkUp. Fix: check the cable",
+        ),
+        (
+            _nic(NODE, "mlx5_bond_3", rate="100 Gb/sec (4X EDR)"),
+            [("rate", "mlx5_bond_3")],
+            "mlx5_bond_3: port rate is 100 Gb/sec (4X EDR), expected 200 Gb/sec. Fix: check the cable/transceiver "
+            "and the switch port speed (ethtool bond3)",
+        ),
+        (
+            _nic(NODE, "mlx5_bond_2", fw_ver="28.41.1000"),
+            [("firmware_consistent", "mlx5_bond_2")],
+            "firmware differs across NICs: mlx5_bond_2=28.41.1000 while the others run 28.39.1002. Fix: flash",
+        ),
+        (
+            _nic(NODE, "mlx5_bond_2", fw_ver="28.38.9"),
+            [("firmware_min", "mlx5_bond_2"), ("firmware_consistent", "mlx5_bond_2")],
+            "mlx5_bond_2: firmware 28.38.9 is older than the required 28.39.1002",
+        ),
+        (
+            fixtures.NodeSpec(nics=_nic(NODE, "mlx5_bond_0", char_device=False).nics, rdma_cm=False),
+            [("uverbs", "mlx5_bond_0"), ("rdma_cm", "")],
+            "/dev/infiniband/rdma_cm is missing. Fix: modprobe rdma_ucm",
+        ),
+    ],
+    ids=["module", "driver-old", "driver-unknown", "count", "port", "rate", "fw-odd", "fw-min", "chardev"],
+)
+def test_each_check_fails_on_its_broken_node(
+    short_tmp: Path, spec: fixtures.NodeSpec, failed: list[tuple[str, str]], message: str
+) -> None:
+    checks = _checks(short_tmp / "bad", spec)
+    assert _failed(checks) == failed
+    bad = [c.message() for c in checks if not c.passed]
+    assert any(message in m for m in bad), bad
+    assert all(". Fix: " in m for m in bad)
+
+
+def test_link_layer_infiniband_fails_every_nic_when_ethernet_is_wanted(short_tmp: Path) -> None:
+    checks = _checks(short_tmp / "ib", fixtures.lingjun_node(nics=4, link_layer="InfiniBand"))
+    assert [f for f in _failed(checks) if f[0] == "link_layer"] == [("link_layer", f"mlx5_bond_{i}") for i in range(4)]
+    msg = next(c.message() for c in checks if c.name == "link_layer" and c.nic == "mlx5_bond_2")
+    assert msg.startswith(
+        "mlx5_bond_2: link layer is InfiniBand, expected Ethernet. "
+        "Fix: set the port type with mlxconfig (LINK_TYPE_P1=ETH)"
+    )
+
+
+def test_versions_compare_numerically() -> None:
+    assert nicchecks.version_tuple("24.10-1.1.4") == (24, 10, 1, 1, 4)
+    assert nicchecks.version_tuple("28.100.1") > nicchecks.version_tuple("28.39.1002")  # not as strings
+    with pytest.raises(ValueError, match="link_layer"):
+        nicchecks.Expectations(link_layer="ethernet")
+    with pytest.raises(ValueError, match="expected_nics"):
+        nicchecks.Expectations(expected_nics=0)
+
+
+def test_a_missing_or_wrong_root_is_reported_as_such(short_tmp: Path) -> None:
+    node = fixtures.write_node(str(short_tmp / "n"), fixtures.lingjun_node(nics=1))
+    assert all(c.passed for c in nicchecks.root_checks(node.sysfs, node.procfs, node.dev))
+    bad = nicchecks.root_checks(str(short_tmp / "nope"), node.sysfs, node.dev)
+    assert [(c.passed, c.message()) for c in bad] == [
+        (
+            False,
+            f"the sysfs root {short_tmp}/nope does not exist. "
+            "Fix: set rdma_sysfs_root to where the node's sysfs is mounted.",
+        ),
+        (
+            False,
+            f"the procfs root {node.sysfs} is not a procfs tree (no net/ under it). "
+            "Fix: set rdma_procfs_root to where the node's procfs is mounted.",
+        ),
+        (True, f"dev root {node.dev}"),
+    ]
+
+
+def test_a_string_selector_is_refused_not_split_into_characters() -> None:
+    with pytest.raises(
+        ValueError, match=r'selector vendors must be a list of strings, not \'15b3\'; write vendors: \["15b3"\]'
+    ):
+        selectors.Selectors.from_mapping({"vendors": "15b3"})  # type: ignore[dict-item]
