@@ -31,9 +31,9 @@ import grpc
 import yaml
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubelet_sim import KubeletSimulator
+from rdma_device_plugin.config import socket_name
+from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures
-from rdma_device_plugin.resources import socket_name
 
 RES = "rdma/hca"
 LOCAL_POOL = [("grpc.use_local_subchannel_pool", 1)]  # every client its own connection

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rdma_device_plugin.kubelet_sim import KubeletSimulator
+from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures
 
 
@@ -67,7 +67,14 @@ class PluginProcess:
 def serve_command(fx: fixtures.FixtureNode, dp_dir: Path, config: Path | None = None, *extra: str) -> list[str]:
     """The real ``rdma-device-plugin serve`` command line for a fixture node."""
     cmd = [sys.executable, "-m", "rdma_device_plugin", "serve", "--sysfs-root", fx.sysfs, "--dev-root", fx.dev]
-    cmd += ["--procfs-root", fx.procfs, "--device-plugin-dir", str(dp_dir)]
+    cmd += [
+        "--procfs-root",
+        fx.procfs,
+        "--device-plugin-dir",
+        str(dp_dir),
+        "--health-file",
+        str(dp_dir.parent / "health.json"),
+    ]
     if config is not None:
         cmd += ["--config", str(config)]
     return cmd + list(extra)

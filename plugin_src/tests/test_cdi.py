@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 
 from rdma_device_plugin import cdi
-from rdma_device_plugin.kubelet_sim import KubeletSimulator
+from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures, sysfs
 
 RES = "rdma/hca"

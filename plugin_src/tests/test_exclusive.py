@@ -10,7 +10,7 @@ import yaml
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubelet_sim import KubeletSimulator
+from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures
 
 RES = "rdma/hca"

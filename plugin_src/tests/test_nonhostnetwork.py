@@ -10,7 +10,7 @@ import yaml
 from conftest import serve_command
 
 from rdma_device_plugin import netchecks
-from rdma_device_plugin.kubelet_sim import KubeletSimulator
+from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures, sysfs
 
 RES = "rdma/hca"

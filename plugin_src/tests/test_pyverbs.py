@@ -12,7 +12,7 @@ import pytest
 
 from rdma_device_plugin.config import load_config_data
 from rdma_device_plugin.daemon import Discovery
-from rdma_device_plugin.kubelet_sim import KubeletSimulator
+from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures
 from rdma_device_plugin.resources import build_pools
 from rdma_device_plugin.verbs import VerbsProbe, load_pyverbs_device
@@ -167,11 +167,31 @@ def test_discovery_takes_port_state_from_verbs_and_sysfs_for_the_rest(short_tmp:
     assert health["0000:1a:00.0"] == "Healthy" and health["0000:7a:00.0"] == "Unhealthy"
 
 
-def test_serve_falls_back_to_sysfs_and_serves(sim: KubeletSimulator, start_plugin) -> None:  # type: ignore[no-untyped-def]
-    plugin = start_plugin()
+def test_serve_falls_back_to_sysfs_and_serves(  # type: ignore[no-untyped-def]
+    sim: KubeletSimulator, start_plugin, short_tmp: Path
+) -> None:
+    """With a usable-looking uverbs node in the process's /dev/infiniband, pyverbs is tried
+    (and, on this machine without RDMA hardware, falls back to sysfs with its reason)."""
+    verbs_dev = short_tmp / "infiniband"
+    verbs_dev.mkdir()
+    (verbs_dev / "uverbs0").write_text("", encoding="utf-8")
+    plugin = start_plugin(extra=["--verbs-dev-dir", str(verbs_dev)])
     assert sim.wait_registered(RES), plugin.output()
     assert sim.allocatable(RES) == 1000
     out = plugin.output()
     assert out.count("port state and GIDs from sysfs") == 1, out
     if REAL is not None and not HAS_RDMA:
         assert "pyverbs lists no RDMA devices (PyverbsRDMAError" in out
+
+
+def test_serve_does_not_import_pyverbs_without_uverbs_devices(  # type: ignore[no-untyped-def]
+    sim: KubeletSimulator, start_plugin, short_tmp: Path
+) -> None:
+    """The chart's unprivileged pod has no /dev/infiniband: libibverbs could open nothing, so
+    pyverbs is not even imported (its import costs memory) and sysfs is used, said once."""
+    plugin = start_plugin(extra=["--verbs-dev-dir", str(short_tmp / "no-such-dir")])
+    assert sim.wait_registered(RES), plugin.output()
+    out = plugin.output()
+    assert out.count("port state and GIDs from sysfs: pyverbs not used:") == 1, out
+    assert "does not exist in this container" in out
+    assert "pyverbs does not import" not in out and "pyverbs lists" not in out

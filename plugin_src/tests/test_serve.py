@@ -16,7 +16,7 @@ from conftest import serve_command
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubelet_sim import CHECKPOINT, AllocationFailed, KubeletSimulator
+from rdma_device_plugin.kubesim import CHECKPOINT, AllocationFailed, KubeletSimulator
 from rdma_device_plugin.node import fixtures
 
 RES = "rdma/hca"
@@ -66,7 +66,7 @@ def test_health_flip_reaches_kubelet_within_a_second(
     assert sim.wait_for(lambda: sim.allocatable(RES) == 0, timeout=5)
     assert time.monotonic() - t0 < 1.5
     assert sim.capacity(RES) == 1000
-    with pytest.raises(AllocationFailed, match="0 available"):
+    with pytest.raises(AllocationFailed, match="Available: 0"):
         sim.allocate(RES, 1)
     node.set_port_state("mlx5_bond_2", "ACTIVE")
     assert sim.wait_for(lambda: sim.allocatable(RES) == 1000, timeout=5)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rdma_device_plugin import sim_cli
+from rdma_device_plugin.kubesim import sim_cli
 
 RES = "rdma/hca"
 
@@ -36,7 +36,15 @@ def test_status_file_allocate_and_sigterm(short_tmp: Path, dp_dir: Path, start_p
     status_file = short_tmp / "status.json"
     log = (short_tmp / "sim.log").open("w", encoding="utf-8")
     sim = subprocess.Popen(
-        [sys.executable, "-m", "rdma_device_plugin.sim_cli", "--dir", str(dp_dir), "--status-file", str(status_file)],
+        [
+            sys.executable,
+            "-m",
+            "rdma_device_plugin.kubesim.sim_cli",
+            "--dir",
+            str(dp_dir),
+            "--status-file",
+            str(status_file),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -65,7 +73,7 @@ def test_status_file_allocate_and_sigterm(short_tmp: Path, dp_dir: Path, start_p
         assert sim_cli.call(control, {"op": "nope"})["error"] == "unknown op 'nope'"
 
         cli = subprocess.run(
-            [sys.executable, "-m", "rdma_device_plugin.sim_cli", "status", "--control-socket", control],
+            [sys.executable, "-m", "rdma_device_plugin.kubesim.sim_cli", "status", "--control-socket", control],
             capture_output=True,
             text=True,
             check=True,

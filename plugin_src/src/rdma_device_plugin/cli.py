@@ -8,14 +8,12 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-
-from . import __version__
-from .config import ConfigError, config_json_schema, load_config
-from .node import fixtures, sysfs
+from typing import Any
 
 LOG = logging.getLogger("rdma_device_plugin")
 
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+from .supervision import DEFAULT_HEALTH_FILE  # noqa: E402 - standard library only, cheap
 
 
 def _env(name: str, default: str) -> str:
@@ -39,12 +37,24 @@ def _add_logging(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", default=_env("LOG_FORMAT", "text"), choices=["text", "json"])
 
 
+class _Version(argparse.Action):
+    """--version without paying for importlib.metadata unless asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from . import __version__
+
+        parser.exit(message=f"rdma-device-plugin {__version__}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rdma-device-plugin",
         description="Kubernetes device plugin for RDMA NICs (shared and exclusive mode).",
     )
-    parser.add_argument("--version", action="version", version=f"rdma-device-plugin {__version__}")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command")
 
     serve = sub.add_parser("serve", help="serve the kubelet (default)")
@@ -61,7 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("METRICS_ADDRESS", ""),
         help="serve Prometheus metrics on HOST:PORT (off when empty, the default)",
     )
+    serve.add_argument(
+        "--health-file",
+        default=_env("HEALTH_FILE", DEFAULT_HEALTH_FILE),
+        help=f"liveness heartbeat file read by `healthcheck` (default {DEFAULT_HEALTH_FILE}; empty: none)",
+    )
+    serve.add_argument(
+        "--verbs-dev-dir",
+        default=_env("VERBS_DEV_DIR", "/dev/infiniband"),
+        help="this process's own /dev/infiniband: pyverbs is used only when it holds usable uverbs devices",
+    )
     _add_logging(serve)
+
+    hc = sub.add_parser("healthcheck", help="exit 0 when the serving process is live (the chart's livenessProbe)")
+    hc.add_argument("--health-file", default=_env("HEALTH_FILE", DEFAULT_HEALTH_FILE), help="the file `serve` writes")
 
     disc = sub.add_parser("discover", help="print the RDMA NICs found and which resource selects them")
     disc.add_argument("--config", default=None, help="config file whose selectors to apply")
@@ -85,7 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _healthcheck(args: argparse.Namespace) -> int:
+    from .supervision import check_health
+
+    problems = check_health(args.health_file)
+    for problem in problems:
+        print(f"rdma-device-plugin: not live: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def _discover(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .node import sysfs
+
     config = load_config(args.config)
     nics = sysfs.read_nics(args.sysfs_root, args.dev_root)
     owner: dict[str, str] = {}
@@ -122,6 +157,8 @@ def _discover(args: argparse.Namespace) -> int:
 
 
 def _fixture(args: argparse.Namespace) -> int:
+    from .node import fixtures
+
     if args.spec:
         import yaml
 
@@ -148,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
+    if args.command == "healthcheck":  # cheap: the liveness probe runs it every few seconds
+        return _healthcheck(args)
+    from .config import ConfigError, config_json_schema
+
     if args.command == "config-schema":
         print(json.dumps(config_json_schema(), indent=2))
         return 0

@@ -17,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .node.selectors import MELLANOX_VENDOR, Selectors
 
 CONFIG_VERSION = "v1"
+# The kubelet's gRPC client keeps grpc-go's default receive limit: a bigger ListAndWatch
+# message fails the stream (kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/client.go dial).
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path is 108 bytes with the NUL
 DEFAULT_RESOURCE = "rdma/hca"
 DEFAULT_SHARED_DEVICES = 1000
 MAX_SHARED_DEVICES = 100_000
@@ -46,6 +50,54 @@ def resource_name_problem(name: str) -> str | None:
     if len(short) > 63 or not _QUALIFIED_NAME.fullmatch(short):
         return f"name {short!r} must be 1-63 alphanumerics, '-', '_' or '.', starting and ending alphanumeric"
     return None
+
+
+def socket_name(resource_name: str) -> str:
+    """Socket file name for a resource: rdma/hca -> rdma-dp-rdma_hca.sock."""
+    return "rdma-dp-" + resource_name.replace("/", "_").replace(".", "-") + ".sock"
+
+
+def _varint_len(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+def worst_case_snapshot_bytes(resource_name: str, count: int) -> int:
+    """Wire size of a shared pool's ListAndWatch message with every device Unhealthy (the longest
+    health string): per device, field 1 {ID: 1 = "<name>-<i>", health: 2 = "Unhealthy"}."""
+    short = resource_name.split("/", 1)[-1]
+    total = 0
+    for digits in range(1, len(str(max(count - 1, 0))) + 1):
+        lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), min(count, 10**digits)
+        if hi <= lo:
+            continue
+        id_len = len(short) + 1 + digits
+        device = 1 + _varint_len(id_len) + id_len + 1 + 1 + len("Unhealthy")
+        total += (hi - lo) * (1 + _varint_len(device) + device)
+    return total
+
+
+def largest_fitting_count(resource_name: str) -> int:
+    lo, hi = 0, MAX_SHARED_DEVICES
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if worst_case_snapshot_bytes(resource_name, mid) <= MAX_MESSAGE_BYTES:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def socket_path_problems(config: PluginConfig, device_plugin_dir: str) -> list[str]:
+    """Socket paths the kernel cannot bind under ``device_plugin_dir``."""
+    out = []
+    for r in config.resources:
+        path = f"{device_plugin_dir.rstrip('/')}/{socket_name(r.name)}"
+        if len(path.encode()) > MAX_SOCKET_PATH:
+            out.append(
+                f"resources[{r.name}]: socket path {path} is {len(path.encode())} bytes; unix sockets allow "
+                f"{MAX_SOCKET_PATH}: shorten the resource name or the device-plugin dir"
+            )
+    return out
 
 
 class _Strict(BaseModel):
@@ -113,6 +165,13 @@ class HealthConfig(_Strict):
     )
     policy: Literal["all", "any"] = Field(
         "all", description="Shared pool is Healthy when all (default) or any of its NICs have every port ACTIVE."
+    )
+    vanish_grace_seconds: float = Field(
+        300.0,
+        alias="vanishGraceSeconds",
+        ge=0,
+        le=86400,
+        description="A selected NIC gone this long leaves its pool (until then it counts as Unhealthy).",
     )
 
 
@@ -188,6 +247,22 @@ class PluginConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"duplicate resource name(s) {dupes}: give every resource its own name")
+        by_socket: dict[str, list[str]] = {}
+        for n in names:
+            by_socket.setdefault(socket_name(n), []).append(n)
+        for sock, owners in sorted(by_socket.items()):
+            if len(owners) > 1:
+                raise ValueError(
+                    f"resource names {owners} map to the same socket file {sock} ('/' and '.' are replaced): "
+                    "rename one of them"
+                )
+        for r in value:
+            if worst_case_snapshot_bytes(r.name, r.shared_devices) > MAX_MESSAGE_BYTES:
+                raise ValueError(
+                    f"resource {r.name}: sharedDevices {r.shared_devices} makes a ListAndWatch message of "
+                    f"{worst_case_snapshot_bytes(r.name, r.shared_devices)} bytes, over the kubelet's 4 MiB limit; "
+                    f"at most {largest_fitting_count(r.name)} fit with this name"
+                )
         return value
 
 
@@ -245,7 +320,7 @@ def load_config_text(text: str, source: str = "<text>") -> PluginConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"invalid config {source}: not valid YAML: {exc}") from None
-    except (ValueError, AttributeError, TypeError, RecursionError) as exc:
+    except (ValueError, AttributeError, TypeError, LookupError, RecursionError) as exc:
         # PyYAML's constructors raise these for values such as "2001-13-45" or "!!timestamp x",
         # and its composer recurses on deep nesting.
         raise ConfigError(
@@ -264,6 +339,10 @@ def load_config(path: str | None) -> PluginConfig:
             text = fh.read()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}; check --config") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"invalid config {path}: not UTF-8 text (byte {exc.start}: {exc.reason}); write the file as UTF-8 YAML"
+        ) from None
     return load_config_text(text, path)
 
 

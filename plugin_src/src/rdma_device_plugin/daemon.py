@@ -15,21 +15,22 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import grpc
 
 from . import cdi, netchecks
-from .config import ConfigError, PluginConfig, load_config
+from .config import ConfigError, PluginConfig, load_config, socket_name, socket_path_problems
 from .node import sysfs
-from .resources import ResourcePool, build_pools, socket_name
+from .resources import NicHealth, ResourcePool, build_pools
 from .server import KUBELET_SOCKET, Hooks, PluginServer
-from .verbs import VerbsProbe
+from .supervision import Backoff, LogOnce, remove_health, write_health
+from .verbs import VerbsProbe, verbs_unusable_reason
 
 LOG = logging.getLogger(__name__)
 
 WATCH_SECONDS = 0.1  # socket watch period: a kubelet restart is noticed within this
-REGISTER_RETRY_SECONDS = 0.5
 
 
 class Discovery:
@@ -55,20 +56,69 @@ class Discovery:
         self._problems: dict[str, tuple[str, ...]] = {}
         self._incomplete = False
         self._last_full = 0.0
+        self._unreadable: dict[str, str] = {}  # this re-list's unidentifiable devices -> why
+        self._unreadable_logged: dict[str, str] = {}
+        self._log_once = LogOnce(LOG)
+
+    def _skipped(self, name: str, reason: str) -> None:
+        """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
+        self._unreadable[name] = reason
+        if self._unreadable_logged.get(name) != reason:
+            self._unreadable_logged[name] = reason
+            LOG.warning("RDMA device %s left out: %s", name, reason, extra={"nic": name})
+
+    def owners(self, nics: list[sysfs.Nic]) -> dict[str, list[str]]:
+        """NIC name -> the resources whose selectors select it, in config order."""
+        out: dict[str, list[str]] = {}
+        for pool in self.pools:
+            for nic in pool.selectors.select(nics):
+                out.setdefault(nic.name, []).append(pool.name)
+        return out
+
+    def exclusive_overlaps(self, nics: list[sysfs.Nic]) -> list[str]:
+        """Exclusive mode: a NIC selected by two resources would go "exclusively" to two pods."""
+        if self.config.mode != "exclusive":
+            return []
+        return [
+            f"in exclusive mode NIC {name} is selected by resources {', '.join(owners)}; make their selectors "
+            "disjoint (e.g. rdmaDevices or ifNames per resource)"
+            for name, owners in sorted(self.owners(nics).items())
+            if len(owners) > 1
+        ]
 
     def full(self) -> list[sysfs.Nic]:
-        nics = sysfs.read_nics(self.sysfs_root, self.dev_root)
+        self._unreadable = {}
+        names = sysfs.list_rdma_devices(self.sysfs_root)
+        nics = sysfs.read_nics(self.sysfs_root, self.dev_root, on_skip=self._skipped)
+        for gone in set(self._unreadable_logged) - set(self._unreadable):
+            del self._unreadable_logged[gone]
         problems = {n.name: n.problems for n in nics if n.problems}
         for name, found in problems.items():
             if self._problems.get(name) != found:  # log a problem once, not at every re-list
                 for problem in found:
                     LOG.warning("NIC problem", extra={"nic": name, "problem": problem})
         self._problems = problems
-        self._names = [n.name for n in nics]
+        # Every listed name, readable or not: an unreadable device must not look like a change
+        # (and force a full re-list) at every probe.
+        self._names = names
         self._last_full = time.monotonic()
+        owners = self.owners(nics) if self.config.mode == "exclusive" else {}
+        for name, res in sorted(owners.items()):
+            if len(res) > 1:
+                self._log_once.problem(
+                    f"overlap {name}",
+                    "NIC %s is selected by resources %s in exclusive mode; only %s gets it",
+                    name,
+                    ", ".join(res),
+                    res[0],
+                    level=logging.ERROR,
+                )
         for pool in self.pools:
-            if pool.set_nics(nics):
+            mine = [n for n in nics if owners.get(n.name, [pool.name])[0] == pool.name]
+            before = pool.health_state()
+            if pool.set_nics(mine):
                 LOG.info("devices changed", extra={"resource": pool.name, "nics": pool.nic_summary()})
+            self._log_health(pool, before)
         # A selected NIC whose uverbs node is not there yet (udev still creating it) is
         # re-read at every probe, so it becomes usable without waiting for the rediscovery timer.
         self._incomplete = any(
@@ -101,8 +151,18 @@ class Discovery:
     def _apply_states(self, states: dict[str, tuple[str, ...] | None]) -> None:
         self.hooks.port_states(states)
         for pool in self.pools:
-            if pool.set_port_states(states):
-                LOG.info("health changed", extra={"resource": pool.name, "nics": pool.nic_summary()})
+            before = pool.health_state()
+            pool.set_port_states(states)
+            self._log_health(pool, before)
+
+    @staticmethod
+    def _log_health(pool: ResourcePool, before: dict[str, NicHealth]) -> None:
+        """One line per NIC whose health changed, as a person reads it:
+        ``mlx5_bond_1 port 1 DOWN: rdma/hca Unhealthy (policy all)``."""
+        if not before:
+            return  # first discovery: "resource ready" says it
+        for line in pool.health_changes(before):
+            LOG.info("health changed: %s", line, extra={"resource": pool.name})
 
     def probe(self) -> None:
         names = sysfs.list_rdma_devices(self.sysfs_root)
@@ -112,7 +172,7 @@ class Discovery:
                 LOG.info("RDMA devices changed on the node", extra={"before": self._names, "after": names})
             self.full()
             return
-        self._apply_states(self.port_states(names))
+        self._apply_states(self.port_states([n for n in names if n not in self._unreadable]))
 
 
 class Supervisor:
@@ -127,12 +187,17 @@ class Supervisor:
         cdi_dir: str | None = None,
         config_path: str | None = None,
         verbs: VerbsProbe | None = None,
+        health_file: str | None = None,
     ) -> None:
+        problems = socket_path_problems(config, device_plugin_dir)
+        if problems:
+            raise ConfigError("invalid config for this device-plugin dir:\n" + "\n".join(f"  - {p}" for p in problems))
         self.config = config
         self.dir = device_plugin_dir
         self.sysfs_root = sysfs_root
         self.procfs_root = procfs_root
         self.config_path = config_path
+        self.health_file = health_file
         self._config_seen = self._config_mtime()
         self.pools = build_pools(config)
         self.hooks = hooks or Hooks()
@@ -143,21 +208,41 @@ class Supervisor:
                 self.discovery.cdi[pool.name] = cdi.SpecWriter(
                     cdi_dir, pool.cdi_kind, config.mode, config.char_devices.umad, config.char_devices.issm
                 )
-        self.servers = [PluginServer(p, device_plugin_dir, socket_name(p.name), self.hooks) for p in self.pools]
+        self.servers = [
+            PluginServer(p, device_plugin_dir, socket_name(p.name), self.hooks, self._stream_ended) for p in self.pools
+        ]
         self.stop_event = threading.Event()
         self._kubelet_id: tuple[int, int] | None = None
         self._registered: set[str] = set()
+        self._stood_down: set[str] = set()  # another (newer) instance serves these
+        self._ended: set[str] = set()  # resources whose ListAndWatch stream ended (from the gRPC loop)
+        self._ended_lock = threading.Lock()
+        self._register_backoff = {s.pool.name: Backoff() for s in self.servers}
+        self._serve_backoff = {s.pool.name: Backoff() for s in self.servers}
+        self._unregistered_since: dict[str, float] = {s.pool.name: time.time() for s in self.servers}
+        self.heartbeats: dict[str, float] = {}  # loop name -> wall time it last completed
+        self._health_written = 0.0
+        self.once = LogOnce(LOG)
 
     # ------------------------------------------------------------------ threads
 
     def _probe_loop(self) -> None:
         interval = self.config.health.interval_seconds
         while not self.stop_event.wait(interval):
-            try:
-                self.discovery.probe()
-            except Exception:  # never let a bad sysfs read kill health probing
-                LOG.exception("health probe failed; retrying next interval")
-            self._watch_config()
+            self._supervised("health probe", self.discovery.probe)
+            self._supervised("config watch", self._watch_config)
+            self.heartbeats["probe"] = time.time()
+
+    def _supervised(self, what: str, step: Callable[[], None]) -> bool:
+        """Run one step of a loop; an exception is logged once (with its context) and the loop goes on."""
+        try:
+            step()
+        except Exception as exc:  # a loop must never die: log, and try again next time
+            self.once.problem(what, "%s failed (%s: %s); retrying", what, type(exc).__name__, exc, level=logging.ERROR)
+            LOG.debug("%s failed", what, exc_info=True)
+            return False
+        self.once.cleared(what, f"{what} works again")
+        return True
 
     # ------------------------------------------------------------------ config changes (applied on restart)
 
@@ -223,34 +308,151 @@ class Supervisor:
             LOG.warning("serving despite failed non-hostNetwork checks (nonHostNetwork.checks: warn)")
         return findings
 
+    # ------------------------------------------------------------------ kubelet events
+
     def _kubelet_identity(self) -> tuple[int, int] | None:
         try:
             st = os.stat(os.path.join(self.dir, KUBELET_SOCKET))
             return (st.st_ino, st.st_ctime_ns)
-        except FileNotFoundError:
+        except OSError:
             return None
 
-    def _restart_servers(self, reason: str) -> None:
-        LOG.info("(re)starting plugin servers", extra={"reason": reason})
-        for server in self.servers:
-            server.stop()
-        for server in self.servers:
-            server.start()
-        self._registered.clear()
+    def _stream_ended(self, resource: str) -> None:
+        """Called on the gRPC loop when a ListAndWatch stream ends while we are serving."""
+        with self._ended_lock:
+            self._ended.add(resource)
 
-    def _register_pending(self) -> None:
+    def _unregister(self, name: str) -> None:
+        if name in self._registered:
+            self._registered.discard(name)
+            self._unregistered_since[name] = time.time()
+
+    def _tick(self) -> None:
+        """One pass of the main loop: react to every kubelet and socket event, then (re)register."""
+        now = time.monotonic()
+        kubelet = self._kubelet_identity()
+        if kubelet is None:
+            self.once.problem("kubelet", "kubelet.sock is missing in %s: waiting for the kubelet", self.dir)
+        else:
+            self.once.cleared("kubelet", "kubelet.sock is back")
+        if kubelet is not None and kubelet != self._kubelet_id:
+            if self._kubelet_id is not None:
+                LOG.info("kubelet.sock re-created: kubelet restarted; registering every resource again")
+                self.hooks.kubelet_restarted()
+            self._kubelet_id = kubelet
+            for server in self.servers:
+                self._unregister(server.pool.name)
+                self._register_backoff[server.pool.name].now_please()
+        with self._ended_lock:
+            ended, self._ended = self._ended, set()
+        for name in sorted(ended):
+            if name in self._registered:
+                LOG.warning(
+                    "the kubelet ended the ListAndWatch stream of %s; registering again", name, extra={"resource": name}
+                )
+                self._unregister(name)
+                self._register_backoff[name].wait_then_retry(now)
         for server in self.servers:
-            if server.pool.name in self._registered:
-                continue
-            try:
-                server.register()
-                self._registered.add(server.pool.name)
-            except (grpc.RpcError, OSError) as exc:
-                detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-                LOG.warning("registration failed; retrying", extra={"resource": server.pool.name, "error": detail})
+            self._keep_serving(server, now)
+        if kubelet is not None:
+            for server in self.servers:
+                name = server.pool.name
+                if server.serving and name not in self._registered and self._register_backoff[name].due(now):
+                    self._register(server, now)
+
+    def _keep_serving(self, server: PluginServer, now: float) -> None:
+        name = server.pool.name
+        state = server.state() if server.serving else "stopped"
+        if state == "ours":
+            return
+        if state == "replaced":
+            LOG.warning(
+                "another instance now serves %s at %s (a newer pod on this node); standing down without touching "
+                "its socket",
+                name,
+                server.path,
+                extra={"resource": name},
+            )
+            server.stop()
+            self._stood_down.add(name)
+            self._unregister(name)
+            return
+        if state == "missing":
+            LOG.info("plugin socket %s was removed; serving it again", server.path, extra={"resource": name})
+            server.stop()
+            self._unregister(name)
+        if name in self._stood_down:
+            if os.path.lexists(server.path):
+                return  # the other instance still serves it
+            LOG.info("the other instance's socket is gone; serving %s again", name, extra={"resource": name})
+            self._stood_down.discard(name)
+        backoff = self._serve_backoff[name]
+        if not backoff.due(now):
+            return
+        try:
+            server.start()
+        except (OSError, RuntimeError) as exc:
+            backoff.failed(now)
+            self.once.problem(
+                f"serve {name}",
+                "cannot serve %s at %s (%s); retrying with backoff up to 5 s",
+                name,
+                server.path,
+                exc,
+                extra={"resource": name},
+            )
+            return
+        backoff.succeeded()
+        self.once.cleared(f"serve {name}", f"serving {name} again", resource=name)
+        self._unregister(name)
+        self._register_backoff[name].now_please()
+
+    def _register(self, server: PluginServer, now: float) -> None:
+        name = server.pool.name
+        backoff = self._register_backoff[name]
+        try:
+            server.register()
+        except (grpc.RpcError, OSError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            backoff.failed(now)
+            self.once.problem(
+                f"register {name}",
+                "registration of %s with the kubelet failed: %s; retrying with backoff (0.5 s doubling to 5 s)",
+                name,
+                detail,
+                extra={"resource": name},
+            )
+            return
+        if backoff.failures:
+            LOG.info("registered %s after %d failed attempts", name, backoff.failures, extra={"resource": name})
+        self.once.cleared(f"register {name}")
+        backoff.succeeded()
+        self._registered.add(name)
+        self._unregistered_since.pop(name, None)
+
+    def _write_health(self) -> None:
+        if not self.health_file or time.time() - self._health_written < 1.0:
+            return
+        probe_max = max(10.0, 5 * self.config.health.interval_seconds)
+        doc = {
+            "pid": os.getpid(),
+            "time": time.time(),
+            "loops": {
+                name: {"last": last, "max_age": probe_max if name == "probe" else 10.0}
+                for name, last in self.heartbeats.items()
+            },
+            "registered": sorted(self._registered),
+            "stood_down": sorted(self._stood_down),
+            "unregistered_since": {n: t for n, t in self._unregistered_since.items() if n not in self._stood_down},
+        }
+        write_health(self.health_file, doc)
+        self._health_written = time.time()
 
     def run(self) -> None:
         nics = self.discovery.full()
+        overlap = self.discovery.exclusive_overlaps(nics)
+        if overlap:
+            raise ConfigError("invalid config: " + "; ".join(overlap))
         for pool in self.pools:
             LOG.info(
                 "resource ready",
@@ -265,36 +467,24 @@ class Supervisor:
             LOG.warning("no RDMA NIC matches any resource's selectors", extra={"found": [n.name for n in nics]})
         if self.config.non_host_network.enabled:
             self.check_non_host_network()
-        os.makedirs(self.dir, exist_ok=True)
-        self._restart_servers("start")
+        self.heartbeats["probe"] = self.heartbeats["watch"] = time.time()
         probe = threading.Thread(target=self._probe_loop, name="health-probe", daemon=True)
         probe.start()
-        last_attempt = 0.0
         try:
             while not self.stop_event.is_set():
-                kubelet = self._kubelet_identity()
-                if kubelet is not None and kubelet != self._kubelet_id:
-                    if self._kubelet_id is not None:
-                        LOG.info("kubelet.sock re-created: kubelet restarted")
-                        self.hooks.kubelet_restarted()
-                        self._restart_servers("kubelet restarted")
-                    self._kubelet_id = kubelet
-                    self._registered.clear()
-                    last_attempt = 0.0
-                if not all(s.alive() for s in self.servers):
-                    self._restart_servers("plugin socket lost")
-                    last_attempt = 0.0
-                pending = len(self._registered) < len(self.servers)
-                if kubelet is not None and pending and time.monotonic() - last_attempt >= REGISTER_RETRY_SECONDS:
-                    last_attempt = time.monotonic()
-                    self._register_pending()
+                if self._supervised("socket watch", self._tick):
+                    self.heartbeats["watch"] = time.time()
+                if probe.is_alive():
+                    self._supervised("health file", self._write_health)
                 self.stop_event.wait(WATCH_SECONDS)
         finally:
             for pool in self.pools:
                 pool.close()
             for server in self.servers:
-                server.stop()
+                self._supervised("stop", server.stop)
             probe.join(timeout=2)
+            if self.health_file:
+                remove_health(self.health_file)
             LOG.info("stopped")
 
 
@@ -314,6 +504,9 @@ def serve(args: argparse.Namespace) -> int:
         LOG.info("serving Prometheus metrics", extra={"address": f"{host}:{port}"})
         hooks = metrics
     verbs = VerbsProbe()
+    unusable = verbs_unusable_reason(args.verbs_dev_dir)
+    if unusable:
+        verbs.skip(unusable)  # not even imported: libibverbs could not open a device here
     verbs.available()  # decides pyverbs vs sysfs once, with one log line
     supervisor = Supervisor(
         config,
@@ -325,6 +518,7 @@ def serve(args: argparse.Namespace) -> int:
         cdi_dir=args.cdi_dir if config.cdi.enabled else None,
         config_path=args.config,
         verbs=verbs,
+        health_file=args.health_file or None,
     )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -12,8 +12,10 @@ node as topology; a pod gets only the NICs it was given.
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from . import cdi, netchecks
@@ -21,6 +23,7 @@ from .config import PluginConfig, ResourceConfig
 from .node.selectors import Selectors
 from .node.sysfs import ACTIVE_STATES, Nic
 
+LOG = logging.getLogger(__name__)
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 RDMA_CM_PATH = "/dev/infiniband/rdma_cm"
@@ -64,9 +67,9 @@ class NicHealth:
         return self.present and bool(self.ports) and all(s in ACTIVE_STATES for s in self.ports)
 
 
-def socket_name(resource_name: str) -> str:
-    """Socket file name for a resource: rdma/hca -> rdma-dp-rdma_hca.sock."""
-    return "rdma-dp-" + resource_name.replace("/", "_").replace(".", "-") + ".sock"
+def nic_identity(nic: Nic) -> str:
+    """What makes a NIC the same NIC across renames: its PCI function, else its node GUID."""
+    return nic.pci_address or f"guid:{nic.node_guid}"
 
 
 class ResourcePool:
@@ -88,45 +91,111 @@ class ResourcePool:
         self.with_umad = config.char_devices.umad
         self.with_issm = config.char_devices.issm
         self._lock = threading.Condition()
-        self._nics: dict[str, Nic] = {}  # present and selected, by RDMA device name
-        self._seen: dict[str, Nic] = {}  # every NIC ever selected (a vanished NIC stays, unhealthy)
+        self._nics: dict[str, Nic] = {}  # present and selected, by identity (nic_identity)
+        self._seen: dict[str, Nic] = {}  # every NIC selected (a vanished one stays, unhealthy, for the grace)
         self._health: dict[str, NicHealth] = {}
+        self._gone_since: dict[str, float] = {}
+        self.vanish_grace = config.health.vanish_grace_seconds
         self._version = 0
         self._devices: tuple[Device, ...] = ()
         self._device_ids: frozenset[str] = frozenset()  # derived from _devices, for Allocate
         self._shared_allocation: ContainerAllocation | None = None  # shared mode: the same for every pod
         self._closed = False
+        self._listeners: list[Callable[[], None]] = []  # called (under the lock) when devices change
         short = self.name.split("/", 1)[1]
         self._shared_ids = tuple(f"{short}-{i}" for i in range(resource.shared_devices))
 
     # ------------------------------------------------------------------ inputs
 
-    def set_nics(self, nics: Iterable[Nic]) -> bool:
-        """Apply a discovery result; returns True when the advertised devices changed."""
-        selected = {n.name: n for n in self.selectors.select(nics)}
+    def set_nics(self, nics: Iterable[Nic], now: float | None = None) -> bool:
+        """Apply a discovery result; returns True when the advertised devices changed.
+
+        NICs are tracked by identity (PCI function, else node GUID), not by RDMA device name: a
+        NIC renamed in place (udev rule, LAG re-formation) is the same device under its new
+        name. A NIC gone for longer than health.vanishGraceSeconds leaves the pool.
+        """
+        now = time.monotonic() if now is None else now
+        selected = {nic_identity(n): n for n in self.selectors.select(nics)}
         with self._lock:
             self._nics = selected
             self._shared_allocation = None  # char devices may have changed
-            for name, nic in selected.items():
-                self._seen[name] = nic
-                self._health[name] = NicHealth(True, tuple(p.state for p in nic.ports))
-            for name in set(self._seen) - set(selected):
-                self._health[name] = NicHealth(False, ())
+            for key, nic in selected.items():
+                old = self._seen.get(key)
+                if old is not None and old.name != nic.name:
+                    LOG.info("NIC %s (%s) is now named %s", old.name, key, nic.name, extra={"resource": self.name})
+                self._seen[key] = nic
+                self._gone_since.pop(key, None)
+                self._health[key] = NicHealth(True, tuple(p.state for p in nic.ports))
+            for key in set(self._seen) - set(selected):
+                self._health[key] = NicHealth(False, ())
+                since = self._gone_since.setdefault(key, now)
+                if now - since >= self.vanish_grace:
+                    gone = self._seen.pop(key)
+                    del self._health[key], self._gone_since[key]
+                    LOG.warning(
+                        "NIC %s (%s) gone for %.0f s (health.vanishGraceSeconds): removed from %s",
+                        gone.name,
+                        key,
+                        now - since,
+                        self.name,
+                        extra={"resource": self.name},
+                    )
             return self._recompute()
 
     def set_port_states(self, states: dict[str, tuple[str, ...] | None]) -> bool:
         """Apply a health probe (RDMA device name -> port states, None when gone)."""
         with self._lock:
+            by_name = {nic.name: key for key, nic in self._seen.items()}
             for name, ports in states.items():
-                if name in self._seen:
-                    self._health[name] = NicHealth(ports is not None, ports or ())
+                key = by_name.get(name)
+                if key is not None:
+                    self._health[key] = NicHealth(ports is not None, ports or ())
             return self._recompute()
+
+    def health_changes(self, before: dict[str, NicHealth]) -> list[str]:
+        """Human-readable lines for NICs whose health differs from ``before`` (a copy of health_state())."""
+        out = []
+        with self._lock:
+            for key, health in sorted(self._health.items()):
+                was = before.get(key)
+                if was == health:
+                    continue
+                name = self._seen[key].name
+                if not health.present:
+                    what = "gone"
+                else:
+                    what = ", ".join(f"port {i} {state}" for i, state in enumerate(health.ports, 1)) or "no ports"
+                out.append(f"{name} {what}")
+            state = self._devices[0].health if self.mode == "shared" and self._devices else None
+        if not out:
+            return []
+        effect = f"{self.name} {state} (policy {self.policy})" if state else f"{self.name} devices updated"
+        return [f"{line}: {effect}" for line in out]
+
+    def health_state(self) -> dict[str, NicHealth]:
+        with self._lock:
+            return dict(self._health)
 
     def close(self) -> None:
         """Wake every waiting stream so it can end (shutdown only)."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+            for listener in self._listeners:
+                listener()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     # ------------------------------------------------------------------ state
 
@@ -151,6 +220,8 @@ class ResourcePool:
         self._device_ids = frozenset(d.id for d in devices)
         self._version += 1
         self._lock.notify_all()
+        for listener in self._listeners:
+            listener()
         return True
 
     def _shared_devices(self) -> tuple[Device, ...]:
@@ -167,28 +238,22 @@ class ResourcePool:
         with self._lock:
             return self._version, self._devices
 
-    def wait_change(self, version: int, timeout: float) -> tuple[int, tuple[Device, ...], bool]:
-        """Block until the devices differ from ``version`` (or timeout / close)."""
-        with self._lock:
-            self._lock.wait_for(lambda: self._version != version or self._closed, timeout)
-            return self._version, self._devices, self._closed
-
     def present_nics(self) -> list[Nic]:
         """Selected NICs currently on the node, by RDMA device name."""
         with self._lock:
-            return [self._nics[n] for n in sorted(self._nics)]
+            return sorted(self._nics.values(), key=lambda n: n.name)
 
     def nic_summary(self) -> list[dict[str, object]]:
         with self._lock:
             return [
                 {
-                    "name": name,
+                    "name": nic.name,
                     "pci_address": nic.pci_address,
-                    "present": name in self._nics,
-                    "healthy": self._nic_usable(name),
+                    "present": key in self._nics,
+                    "healthy": self._nic_usable(key),
                     "numa_node": nic.numa_node,
                 }
-                for name, nic in sorted(self._seen.items())
+                for key, nic in sorted(self._seen.items(), key=lambda kv: kv[1].name)
             ]
 
     # ------------------------------------------------------------------ Allocate
@@ -200,15 +265,18 @@ class ResourcePool:
                 raise AllocationError(f"unknown device ID(s) {unknown} for resource {self.name}")
             if not device_ids:
                 raise AllocationError(f"empty device list for resource {self.name}")
+            if len(set(device_ids)) != len(device_ids):
+                dupes = sorted({d for d in device_ids if list(device_ids).count(d) > 1})
+                raise AllocationError(f"device ID(s) {dupes} requested more than once for resource {self.name}")
             if self.mode == "shared":
                 if self._shared_allocation is None:
-                    self._shared_allocation = self._allocation_of([self._nics[n] for n in sorted(self._nics)])
+                    self._shared_allocation = self._allocation_of(sorted(self._nics.values(), key=lambda n: n.name))
                 return self._shared_allocation
-            by_pci = {nic.pci_address: nic for nic in self._seen.values()}
-            gone = [d for d in device_ids if by_pci[d].name not in self._nics]
+            # Exclusive device IDs are PCI addresses, which are the NICs' identities.
+            gone = [d for d in device_ids if d not in self._nics]
             if gone:
                 raise AllocationError(f"NIC(s) {gone} of resource {self.name} are no longer present")
-            return self._allocation_of([self._nics[by_pci[d].name] for d in device_ids])
+            return self._allocation_of([self._nics[d] for d in device_ids])
 
     def _allocation_of(self, nics: list[Nic]) -> ContainerAllocation:
         nics = [n for n in nics if n.uverbs is not None and n.uverbs.present]

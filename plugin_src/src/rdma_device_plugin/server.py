@@ -1,17 +1,28 @@
 """gRPC lifecycle of one resource: serve DevicePlugin on a unix socket, then register.
 
 Order matters (kubelet behaviour 1): the server listens first, then Register is called
-from the supervisor's thread while the server's worker threads answer the kubelet's
-GetDevicePluginOptions dial-back inside that Register call.
+from the supervisor's thread while the server answers the kubelet's GetDevicePluginOptions
+dial-back inside that Register call.
+
+Every server runs on one asyncio loop (``grpc.aio``) in its own thread: an open
+ListAndWatch stream costs a coroutine, not a worker thread, so no number of open streams
+(the kubelet never closes old clients on re-registration) can starve Allocate, which the
+kubelet calls without a deadline.
+
+The socket is bound under a temporary name and renamed into place: the rename replaces the
+path atomically (the kubelet never sees it missing), and grpc's own unlink of its bound path
+(at bind and at stop) then never touches a socket another instance put at the real path.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent import futures
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -24,8 +35,8 @@ LOG = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
-# A stream wakes at least this often to notice cancellation and shutdown.
-STREAM_POLL_SECONDS = 1.0
+# sockaddr_un.sun_path is 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
 
 
 def device_message(device: Device) -> Any:
@@ -60,26 +71,89 @@ class Hooks:
     def pools_ready(self, pools: Sequence[ResourcePool]) -> None: ...
 
 
+_TMP_IDS = itertools.count()
+
+
+class _Loop:
+    """The one asyncio loop every plugin server runs on, in a daemon thread started on first use."""
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+    _keep: Any = None
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="dp-grpc-aio", daemon=True).start()
+                cls._loop = loop
+                # grpc.aio shuts its completion queue down when its last object goes away (the
+                # only server stopped for a restart), and a poller callback still queued then
+                # fails with EBADF. An idle, never-connected channel keeps it up for good.
+                cls._keep = asyncio.run_coroutine_threadsafe(cls._hold(), loop).result(30)
+            return cls._loop
+
+    @staticmethod
+    async def _hold() -> Any:
+        return grpc.aio.insecure_channel("unix:///dev/null")
+
+    @classmethod
+    def run(cls, coro: Any, timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, cls.get()).result(timeout)
+
+
+class _Changes:
+    """Wakes every stream of a pool when its devices change (the pool calls ``notify`` from any thread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.event = asyncio.Event()
+
+    def notify(self) -> None:
+        self.loop.call_soon_threadsafe(self._fire)
+
+    def _fire(self) -> None:
+        event, self.event = self.event, asyncio.Event()
+        event.set()
+
+
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
-    def __init__(self, pool: ResourcePool, hooks: Hooks | None = None) -> None:
+    def __init__(
+        self,
+        pool: ResourcePool,
+        hooks: Hooks | None = None,
+        changes: _Changes | None = None,
+        on_stream_end: Callable[[str], None] | None = None,
+    ) -> None:
         self.pool = pool
         self.hooks = hooks or Hooks()
+        self.changes = changes
+        self.on_stream_end = on_stream_end
+        self.stopping = False
+        self.streams = 0  # open ListAndWatch streams
 
-    def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
+    async def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
         return pb.DevicePluginOptions(
             pre_start_required=False,
             get_preferred_allocation_available=self.pool.mode == "exclusive",
         )
 
-    def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
+    async def ListAndWatch(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        assert self.changes is not None
         version, devices = self.pool.snapshot()
+        self.streams += 1
         LOG.info("ListAndWatch opened", extra={"resource": self.pool.name, "devices": len(devices)})
-        yield pb.ListAndWatchResponse(devices=[device_message(d) for d in devices])
-        while context.is_active():
-            new_version, devices, closed = self.pool.wait_change(version, STREAM_POLL_SECONDS)
-            if closed:
-                return
-            if new_version != version:
+        try:
+            yield pb.ListAndWatchResponse(devices=[device_message(d) for d in devices])
+            while not self.stopping:
+                event = self.changes.event
+                if self.pool.closed:
+                    return
+                new_version, devices = self.pool.snapshot()
+                if new_version == version:
+                    await event.wait()
+                    continue
                 version = new_version
                 healthy = sum(1 for d in devices if d.health == "Healthy")
                 LOG.info(
@@ -87,8 +161,12 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
                     extra={"resource": self.pool.name, "devices": len(devices), "healthy": healthy},
                 )
                 yield pb.ListAndWatchResponse(devices=[device_message(d) for d in devices])
+        finally:
+            self.streams -= 1
+            if not self.stopping and not self.pool.closed and self.on_stream_end is not None:
+                self.on_stream_end(self.pool.name)
 
-    def Allocate(self, request: Any, context: Any) -> Any:
+    async def Allocate(self, request: Any, context: Any) -> Any:
         start = time.perf_counter()
         response = pb.AllocateResponse()
         try:
@@ -102,11 +180,11 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         except AllocationError as exc:
             self.hooks.allocated(self.pool.name, time.perf_counter() - start, False)
             LOG.warning("Allocate refused: %s", exc)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.hooks.allocated(self.pool.name, time.perf_counter() - start, True)
         return response
 
-    def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+    async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
         response = pb.PreferredAllocationResponse()
         for creq in request.container_requests:
             ids = self.pool.preferred(
@@ -115,55 +193,94 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
             response.container_responses.add(deviceIDs=ids)
         return response
 
-    def PreStartContainer(self, request: Any, context: Any) -> Any:
+    async def PreStartContainer(self, request: Any, context: Any) -> Any:
         return pb.PreStartContainerResponse()
 
 
 class PluginServer:
     """One resource's gRPC server bound to ``<device_plugin_dir>/<socket_name>``."""
 
-    def __init__(self, pool: ResourcePool, device_plugin_dir: str, socket_name: str, hooks: Hooks | None = None):
+    def __init__(
+        self,
+        pool: ResourcePool,
+        device_plugin_dir: str,
+        socket_name: str,
+        hooks: Hooks | None = None,
+        on_stream_end: Callable[[str], None] | None = None,
+    ):
         self.pool = pool
         self.dir = device_plugin_dir
         self.socket_name = socket_name
         self.path = os.path.join(device_plugin_dir, socket_name)
         self.hooks = hooks or Hooks()
-        self._server: grpc.Server | None = None
+        self.on_stream_end = on_stream_end
+        self._server: grpc.aio.Server | None = None
+        self._servicer: DevicePluginServicer | None = None
         self._inode: int | None = None
 
+    @property
+    def serving(self) -> bool:
+        return self._server is not None
+
     def start(self) -> None:
-        if len(self.path) > 107:
-            raise OSError(f"socket path {self.path} is {len(self.path)} bytes; unix sockets allow 107")
-        if os.path.lexists(self.path):  # stale socket or leftover file: grpc refuses to bind over it
-            os.unlink(self.path)
-        # Each open ListAndWatch stream holds a worker; leave room for concurrent Allocates.
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dp-grpc"))
-        pb_grpc.add_DevicePluginServicer_to_server(DevicePluginServicer(self.pool, self.hooks), server)
-        server.add_insecure_port(f"unix://{self.path}")
-        server.start()
-        self._server = server
-        self._inode = os.stat(self.path).st_ino
+        """Bind under a temporary name, then rename over the path (replacing a stale socket)."""
+        if len(self.path) > MAX_SOCKET_PATH:
+            raise OSError(f"socket path {self.path} is {len(self.path)} bytes; unix sockets allow {MAX_SOCKET_PATH}")
+        tmp = os.path.join(self.dir, f".{os.getpid()}.{next(_TMP_IDS)}")  # shorter than any socket name
+        loop = _Loop.get()
+        changes = _Changes(loop)
+        servicer = DevicePluginServicer(self.pool, self.hooks, changes, self.on_stream_end)
+
+        async def start() -> grpc.aio.Server:
+            server = grpc.aio.server()
+            pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+            server.add_insecure_port(f"unix://{tmp}")
+            await server.start()
+            return server
+
+        server = _Loop.run(start())
+        try:
+            os.rename(tmp, self.path)
+            self._inode = os.stat(self.path).st_ino
+        except OSError:
+            _Loop.run(server.stop(0))
+            raise
+        self.pool.add_listener(changes.notify)
+        self._server, self._servicer = server, servicer
         LOG.info("serving", extra={"resource": self.pool.name, "socket": self.path})
+
+    def state(self) -> str:
+        """ "ours", "missing" (deleted: a kubelet restart) or "replaced" (another instance's socket)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return "missing"
+        return "ours" if self._server is not None and st.st_ino == self._inode else "replaced"
 
     def alive(self) -> bool:
         """False once the kubelet (or anyone) deleted or replaced our socket file."""
-        try:
-            return self._server is not None and os.stat(self.path).st_ino == self._inode
-        except FileNotFoundError:
-            return False
+        return self.state() == "ours"
+
+    def open_streams(self) -> int:
+        return self._servicer.streams if self._servicer is not None else 0
 
     def stop(self, grace: float = 0.5) -> None:
         server, self._server = self._server, None
+        servicer, self._servicer = self._servicer, None
         if server is None:
             return
-        # grpc unlinks the path on stop; only ours, since a new server is never bound before this.
-        server.stop(grace).wait(grace + 1.0)
-        if self._inode is not None and os.path.exists(self.path):
-            try:
-                if os.stat(self.path).st_ino == self._inode:
-                    os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if servicer is not None:
+            servicer.stopping = True
+            if servicer.changes is not None:
+                self.pool.remove_listener(servicer.changes.notify)
+                servicer.changes.notify()  # wake its streams so they end
+        # grpc unlinks only its bound (temporary) path; the real path only if it is still ours.
+        _Loop.run(server.stop(grace), timeout=grace + 10.0)
+        try:
+            if os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
     def register(self, timeout: float = 10.0) -> None:
         """Register with the kubelet; raises grpc.RpcError or OSError on failure."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -48,6 +49,21 @@ def load_pyverbs_device() -> ModuleType:
         sys.path.remove(DEBIAN_DIST_PACKAGES)
 
 
+def verbs_unusable_reason(dev_dir: str = "/dev/infiniband") -> str | None:
+    """Why libibverbs cannot open any device in this process, or None when it might.
+
+    libibverbs opens ``/dev/infiniband/uverbsN`` of the process's own /dev, not the host's
+    (``--dev-root``): the chart's unprivileged pod has none, so pyverbs cannot work there and
+    is not worth its import."""
+    try:
+        names = [n for n in os.listdir(dev_dir) if n.startswith("uverbs")]
+    except OSError:
+        return f"{dev_dir} does not exist in this container"
+    if not any(os.access(os.path.join(dev_dir, n), os.R_OK | os.W_OK) for n in names):
+        return f"no readable and writable {dev_dir}/uverbs* in this container"
+    return None
+
+
 def _name(dev: Any) -> str:
     name = dev.name
     return name.decode() if isinstance(name, bytes) else str(name)
@@ -62,6 +78,10 @@ class VerbsProbe:
         self._available: bool | None = None
         self.reason = ""
         self._contexts: dict[str, Any] = {}
+
+    def skip(self, reason: str) -> None:
+        """Use sysfs without importing pyverbs at all."""
+        self._fallback(f"pyverbs not used: {reason}")
 
     def available(self) -> bool:
         """Decide once; logs the single line that says which source is used."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 LOG = logging.getLogger(__name__)
@@ -408,8 +409,11 @@ def read_nic(
     )
 
 
-def read_nics(sysfs_root: str = "/sys", dev_root: str = "/dev") -> list[Nic]:
-    """Every RDMA device on the node, sorted by name. Unidentifiable ones are logged and skipped."""
+def read_nics(
+    sysfs_root: str = "/sys", dev_root: str = "/dev", on_skip: Callable[[str, str], None] | None = None
+) -> list[Nic]:
+    """Every RDMA device on the node, sorted by name. Unidentifiable ones are skipped and passed
+    to ``on_skip(name, reason)`` (the serving loop logs each once), else logged."""
     uverbs = _char_devices(sysfs_root, dev_root, "infiniband_verbs", "uverbs")
     umad = _char_devices(sysfs_root, dev_root, "infiniband_mad", "umad")
     issm = _char_devices(sysfs_root, dev_root, "infiniband_mad", "issm")
@@ -418,7 +422,10 @@ def read_nics(sysfs_root: str = "/sys", dev_root: str = "/dev") -> list[Nic]:
         try:
             nics.append(read_nic(sysfs_root, name, dev_root, uverbs, umad, issm))
         except SysfsError as exc:
-            LOG.warning("RDMA device %s skipped: %s", name, exc)
+            if on_skip is not None:
+                on_skip(name, str(exc))
+            else:
+                LOG.warning("RDMA device %s skipped: %s", name, exc)
     return nics
 
 

@@ -1,0 +1,101 @@
+"""Small pieces that keep the supervisor's loops alive and quiet: backoff, log-once, heartbeats."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+BACKOFF_INITIAL_SECONDS = 0.5
+BACKOFF_MAX_SECONDS = 5.0
+
+
+@dataclass
+class Backoff:
+    """0.5 s doubling to 5 s; ``due`` says when the next attempt may run."""
+
+    delay: float = BACKOFF_INITIAL_SECONDS
+    next_at: float = 0.0
+    failures: int = 0
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_at
+
+    def failed(self, now: float) -> None:
+        self.failures += 1
+        self.next_at = now + self.delay
+        self.delay = min(self.delay * 2, BACKOFF_MAX_SECONDS)
+
+    def wait_then_retry(self, now: float) -> None:
+        """Schedule the next attempt one step of backoff from now (a stream that just ended)."""
+        self.next_at = now + self.delay
+        self.delay = min(self.delay * 2, BACKOFF_MAX_SECONDS)
+
+    def succeeded(self) -> None:
+        self.delay, self.next_at, self.failures = BACKOFF_INITIAL_SECONDS, 0.0, 0
+
+    def now_please(self) -> None:
+        self.succeeded()
+
+
+@dataclass
+class LogOnce:
+    """Log a condition once while it holds (per key); say so again only when it changes or clears."""
+
+    logger: logging.Logger
+    _last: dict[str, str] = field(default_factory=dict)
+
+    def problem(self, key: str, message: str, *args: object, level: int = logging.WARNING, **extra: object) -> None:
+        text = message % args if args else message
+        if self._last.get(key) == text:
+            self.logger.debug(text, extra=extra or None)
+            return
+        self._last[key] = text
+        self.logger.log(level, text, extra=extra or None)
+
+    def cleared(self, key: str, message: str | None = None, **extra: object) -> None:
+        if self._last.pop(key, None) is not None and message:
+            self.logger.info(message, extra=extra or None)
+
+
+DEFAULT_HEALTH_FILE = "/dev/shm/rdma-device-plugin.health"  # tmpfs, writable under readOnlyRootFilesystem
+UNREGISTERED_GRACE_SECONDS = 120.0  # a kubelet restart re-registers in seconds; longer means stuck
+
+
+def write_health(path: str, doc: dict[str, object]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh)
+    os.replace(tmp, path)
+
+
+def remove_health(path: str) -> None:
+    """Remove the health file if this process wrote it (never another instance's)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            if json.load(fh).get("pid") == os.getpid():
+                os.unlink(path)
+    except (OSError, ValueError):
+        pass
+
+
+def check_health(path: str, now: float | None = None) -> list[str]:
+    """Why the serving process is not live (empty when it is). Standard library only: the
+    liveness probe runs this every few seconds and must stay cheap."""
+    now = time.time() if now is None else now
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as exc:
+        return [f"cannot read the health file {path}: {exc}"]
+    problems = []
+    for name, loop in sorted(doc.get("loops", {}).items()):
+        age = now - float(loop["last"])
+        if age > float(loop["max_age"]):
+            problems.append(f"loop {name} has not completed for {age:.0f} s (limit {loop['max_age']:.0f} s)")
+    for resource, since in sorted(doc.get("unregistered_since", {}).items()):
+        if now - float(since) > UNREGISTERED_GRACE_SECONDS:
+            problems.append(f"resource {resource} has not been registered with the kubelet for {now - since:.0f} s")
+    return problems
