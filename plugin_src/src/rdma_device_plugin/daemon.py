@@ -20,7 +20,7 @@ from types import FrameType
 
 import grpc
 
-from . import cdi, netchecks
+from . import cdi, netchecks, nfd
 from .config import ConfigError, PluginConfig, load_config, socket_name, socket_path_problems
 from .node import sysfs
 from .resources import NicHealth, ResourcePool, build_pools
@@ -61,6 +61,7 @@ class Discovery:
         self._log_once = LogOnce(LOG)
         self._ports: sysfs.PortStateReader | None = None  # fast probe: open port-state files (issue 15)
         self._states: dict[str, tuple[str, ...] | None] | None = None  # last states applied
+        self.features: nfd.FeatureFile | None = None  # --nfd-features-file (issue 15)
 
     def _skipped(self, name: str, reason: str) -> None:
         """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
@@ -128,6 +129,8 @@ class Discovery:
         )
         self.hooks.rediscovered()
         self.hooks.nics_found(nics)
+        if self.features is not None:
+            self.features.update([n for pool in self.pools for n in pool.present_nics()])
         self._open_ports([n for n in names if n not in self._unreadable])
         if self.verbs is not None and self.verbs.available():
             self._states = None  # set_nics applied sysfs states: pyverbs' must be applied again
@@ -557,6 +560,11 @@ def serve(args: argparse.Namespace) -> int:
         verbs=verbs,
         health_file=args.health_file or None,
     )
+
+    if args.nfd_features_file:
+        supervisor.discovery.features = nfd.FeatureFile(
+            args.nfd_features_file, config.mode, args.sysfs_root, args.procfs_root
+        )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         LOG.info("signal received, stopping", extra={"signal": signal.Signals(signum).name})
