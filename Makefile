@@ -7,7 +7,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo test lint test-plugin test-chart test-molecule image bench proto clean
+.PHONY: help setup system-deps demo prometheus-local test lint test-plugin test-chart test-molecule image bench proto clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -27,6 +27,10 @@ setup: $(VENV)/.stamp ## create .venv from the pinned requirements
 demo: setup ## the main job on the local default: validate, deploy and verify a fixture Lingjun node via Ansible
 	$(BIN)/ansible-playbook playbooks/site.yml -i inventories/local
 
+PROMETHEUS_ARGS ?= --keep
+prometheus-local: setup system-deps ## a real Prometheus with the chart's alerts scraping the local default's plugin (`make demo` first): prints alert states and its address
+	$(PY) scripts/prometheus_local.py --target 127.0.0.1:9410 --node lingjun-node-0 --port 0 $(PROMETHEUS_ARGS)
+
 lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
 	cd plugin_src && $(BIN)/mypy
@@ -39,7 +43,7 @@ lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 test-plugin: setup ## plugin unit and integration tests (real gRPC over unix sockets)
 	$(PY) -m pytest plugin_src/tests --junitxml=out/test-results/plugin.xml
 
-test-chart: setup ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL)
+test-chart: setup system-deps ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL, promtool and a real Prometheus)
 	$(PY) -m pytest charts/rdma-device-plugin/tests --junitxml=out/test-results/chart.xml
 
 test-molecule: setup system-deps ## every molecule scenario, for real on localhost

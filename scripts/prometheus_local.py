@@ -130,9 +130,13 @@ def chart_rule_groups(values: dict[str, Any], release: str = "rdma", namespace: 
     """The chart's PrometheusRule groups, rendered by the real Helm engine (helm_python)."""
     import helm_python
     import yaml
+    from helm_python import _native
 
     chart = helm_python.Chart.load(str(ROOT / "charts" / "rdma-device-plugin"))
-    rendered = chart.render(values, name=release, namespace=namespace)
+    # As `helm template --api-versions monitoring.coreos.com/v1`: Chart.render has no such option,
+    # the SDK's native helm_render takes it (as the chart tests' conftest.render_raw does).
+    opts = {"name": release, "namespace": namespace, "api_versions": ["monitoring.coreos.com/v1"]}
+    rendered = json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(opts)))
     for path, text in rendered.items():
         if path.endswith("prometheusrule.yaml"):
             for doc in yaml.safe_load_all(text):
@@ -160,6 +164,16 @@ def main(argv: list[str] | None = None) -> int:
         }
     }
     job = "rdma-rdma-device-plugin-metrics"
+    try:
+        with urllib.request.urlopen(f"http://{args.target}/metrics", timeout=5):
+            pass
+    except OSError as exc:
+        print(
+            f"no plugin metrics at {args.target} ({exc}); start the local default first: "
+            "flock /tmp/molecule.lock make demo",
+            file=sys.stderr,
+        )
+        return 2
     prom = Prometheus(job, [args.target], {"node": args.node}, chart_rule_groups(values), "5s", args.port, args.workdir)
     try:
         prom.wait_ready()

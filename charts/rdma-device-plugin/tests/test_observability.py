@@ -1,4 +1,4 @@
-"""The PrometheusRule and the Grafana dashboard: rendered only where asked for and where the API
+"""The PrometheusRule, the Grafana dashboard and the NFD feature dir: rendered only where asked for and where the API
 exists, and every alert unit-tested with the real `promtool test rules` (Debian's prometheus)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import VAP_KINDS, by_kind, manifests, one, render_raw
+from conftest import VAP_KINDS, by_kind, daemonsets, manifests, one, render_raw
 
 PROMTOOL_DIR = Path(__file__).parent / "promtool"
 ALERTS = {
@@ -135,3 +135,19 @@ def test_dashboard_fleet_and_node_view() -> None:
     for want in ("Nodes RDMA-ready", "Allocatable vs capacity per node", "Port states", "Allocate latency (p99)"):
         assert want in titles
     assert [v["name"] for v in doc["templating"]["list"]] == ["datasource", "node"]
+
+
+def test_nfd_feature_dir_mounted_only_when_enabled() -> None:
+    for mode, ds in daemonsets({"nfd": {"enabled": True, "featuresDir": "/etc/nfd/features.d"}}).items():
+        pod = ds["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        args = container["args"]
+        assert args[args.index("--nfd-features-file") + 1] == "/host/nfd-features.d/rdma-device-plugin", mode
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "nfd-features")
+        assert mount["mountPath"] == "/host/nfd-features.d" and not mount.get("readOnly")
+        volume = next(v for v in pod["volumes"] if v["name"] == "nfd-features")
+        assert volume["hostPath"] == {"path": "/etc/nfd/features.d", "type": "DirectoryOrCreate"}
+    for ds in daemonsets().values():
+        pod = ds["spec"]["template"]["spec"]
+        assert "--nfd-features-file" not in pod["containers"][0]["args"]
+        assert all(v["name"] != "nfd-features" for v in pod["volumes"])
