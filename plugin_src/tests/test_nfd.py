@@ -75,7 +75,10 @@ def test_render_rejects_a_value_nfd_would_drop() -> None:
 
 
 def test_serve_writes_and_updates_the_feature_file(
-    sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode, short_tmp: Path  # type: ignore[no-untyped-def]
+    sim: KubeletSimulator,
+    start_plugin,
+    node: fixtures.FixtureNode,
+    short_tmp: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     features_d = short_tmp / "features.d"
     features_d.mkdir()

@@ -36,7 +36,7 @@ def test_reader_sees_new_states_through_open_files(node: fixtures.FixtureNode) -
         reader.close()
 
 
-def test_probe_opens_no_file_and_lists_only_the_directory(node: fixtures.FixtureNode, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_probe_opens_no_file(node: fixtures.FixtureNode, monkeypatch: pytest.MonkeyPatch) -> None:
     config = PluginConfig()
     pools = build_pools(config)
     discovery = Discovery(config, pools, node.sysfs, node.dev)

@@ -199,7 +199,8 @@ class Discovery:
             return
         states = self.port_states([n for n in names if n not in self._unreadable])
         if states is None:
-            LOG.info("a port state read failed; re-listing the NICs", extra={"error": self._ports and self._ports.failed})
+            failed = self._ports.failed if self._ports is not None else ""
+            LOG.info("a port state read failed; re-listing the NICs", extra={"error": failed})
             self.full()
             return
         self._apply_states(states)

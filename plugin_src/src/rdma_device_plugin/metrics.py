@@ -68,7 +68,7 @@ class _StateCollector(Collector):
     def _nics(self) -> Iterator[Metric]:
         info = GaugeMetricFamily(
             "rdma_dp_nic_info",
-            "RDMA NIC facts (1): link layer, netdevs, NUMA node (\"\" when none) and the resource serving it",
+            'RDMA NIC facts (1): link layer, netdevs, NUMA node ("" when none) and the resource serving it',
             labels=["nic", "pci_address", "link_layer", "netdev", "numa_node", "resource"],
         )
         with self.hooks.lock:
@@ -134,7 +134,9 @@ class MetricsHooks(Hooks):
         self.kubelet_restarts = Counter("rdma_dp_kubelet_restarts", "Kubelet restarts noticed", registry=self.registry)
         self.rediscoveries = Counter("rdma_dp_rediscoveries", "Full NIC re-listings", registry=self.registry)
         self.stream_ends = Counter(
-            "rdma_dp_stream_ends", "ListAndWatch streams the kubelet ended while serving", ["resource"],
+            "rdma_dp_stream_ends",
+            "ListAndWatch streams the kubelet ended while serving",
+            ["resource"],
             registry=self.registry,
         )
         self.registry.register(_StateCollector(self))

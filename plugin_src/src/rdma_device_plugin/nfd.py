@@ -36,9 +36,7 @@ LABELS = (
 )
 
 
-def facts(
-    nics: Sequence[sysfs.Nic], mode: str, netns_mode: str | None, ipv6_ready: bool
-) -> dict[str, str]:
+def facts(nics: Sequence[sysfs.Nic], mode: str, netns_mode: str | None, ipv6_ready: bool) -> dict[str, str]:
     """Label name (without prefix) -> value for the NICs the plugin serves. Pure."""
     layers = sorted({p.link_layer for n in nics for p in n.ports if p.link_layer})
     roce_v2 = any(g.type == "RoCE v2" and g.is_ipv6 for n in nics for p in n.ports for g in p.gids)
