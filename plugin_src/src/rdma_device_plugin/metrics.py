@@ -77,7 +77,7 @@ class _StateCollector(Collector):
         for nic in nics:
             layers = sorted({p.link_layer for p in nic.ports if p.link_layer})
             numa = "" if nic.numa_node is None else str(nic.numa_node)
-            labels = [nic.name, nic.pci_address, ",".join(layers), ",".join(nic.netdevs), numa]
+            labels = [nic.name, nic.pci_address, ",".join(layers), ",".join(sorted(nic.netdevs)), numa]
             info.add_metric([*labels, owners.get(nic.name, "")], 1)
         yield info
 
