@@ -7,7 +7,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo stop status test lint test-plugin test-chart test-ops test-molecule collection image bench bench-fleet proto clean
+.PHONY: help setup system-deps demo stop status prometheus-local test lint test-plugin test-chart test-ops test-molecule collection image bench bench-fleet proto clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -41,6 +41,10 @@ stop: ## stop the local default's plugin and kubelet simulator (playbooks/uninst
 status: setup ## the local default's plugin status: mode, capacity/allocatable, NICs with health, last allocations
 	$(BIN)/rdma-device-plugin status --device-plugin-dir out/local/dp
 
+PROMETHEUS_ARGS ?= --keep
+prometheus-local: setup system-deps ## a real Prometheus with the chart's alerts scraping the local default's plugin (`make demo` first): prints alert states and its address
+	$(PY) scripts/prometheus_local.py --target 127.0.0.1:9410 --node lingjun-node-0 --port 0 $(PROMETHEUS_ARGS)
+
 lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
 	cd plugin_src && $(BIN)/mypy
@@ -53,7 +57,7 @@ lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 test-plugin: setup ## plugin unit and integration tests (real gRPC over unix sockets)
 	$(PY) -m pytest plugin_src/tests --junitxml=out/test-results/plugin.xml
 
-test-chart: setup ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL)
+test-chart: setup system-deps ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL, promtool and a real Prometheus)
 	$(PY) -m pytest charts/rdma-device-plugin/tests --junitxml=out/test-results/chart.xml
 
 test-ops: setup ## automation and docs: example inventory offline check, typed variables, uninstall, runnable doc blocks

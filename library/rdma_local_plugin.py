@@ -62,6 +62,10 @@ options:
     description: Seconds to wait for the registration.
     type: int
     default: 30
+  metrics_address:
+    description: C(HOST:PORT) the plugin serves Prometheus metrics on (C(make prometheus-local) scrapes it); empty for none.
+    type: str
+    default: ""
 """
 
 EXAMPLES = r"""
@@ -193,6 +197,7 @@ def main():
             node_name=dict(type="str", default="lingjun-node-0"),
             resources=dict(type="list", elements="str"),
             timeout=dict(type="int", default=30),
+            metrics_address=dict(type="str", default=""),
         ),
         required_if=[
             (
@@ -246,6 +251,8 @@ def main():
         "--device-plugin-dir", p["device_plugin_dir"],
         "--log-format", "json",
     ]
+    if p["metrics_address"]:
+        plugin_cmd += ["--metrics-address", p["metrics_address"]]
     sim_fp = _fingerprint(sim_cmd)
     plugin_fp = _fingerprint(plugin_cmd, [p["config_path"]])
 

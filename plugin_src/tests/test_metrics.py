@@ -111,3 +111,29 @@ def test_scrape_is_fast_enough_to_poll(sim: KubeletSimulator, start_plugin) -> N
     m = _scrape(port)
     assert time.monotonic() - t0 < 1.0
     assert _get(m, "rdma_dp_devices", resource=RES, health="Healthy") == 1000
+
+
+def test_metrics_alerts_rely_on(sim: KubeletSimulator, start_plugin) -> None:  # type: ignore[no-untyped-def]
+    """Registered / stream open / loop timestamps / NIC facts / stream ends, as docs/operations.md lists them."""
+    port = _free_port()
+    plugin = start_plugin(extra=["--metrics-address", f"127.0.0.1:{port}"])
+    assert sim.wait_registered(RES), plugin.output()
+
+    def scraped(name: str, **labels: str) -> float:
+        return _get(_scrape(port), name, **labels)
+
+    assert sim.wait_for(lambda: scraped("rdma_dp_kubelet_stream_open", resource=RES) == 1, timeout=30)
+    m = _scrape(port)
+    assert _get(m, "rdma_dp_resource_registered", resource=RES) == 1
+    for loop in ("probe", "watch"):
+        assert time.time() - _get(m, "rdma_dp_loop_last_success_timestamp_seconds", loop=loop) < 120
+    info = {k: v for (name, k), v in m.items() if name == "rdma_dp_nic_info"}
+    nic0 = dict(next(k for k in info if dict(k)["nic"] == "mlx5_bond_0"))
+    assert nic0["link_layer"] == "Ethernet" and nic0["netdev"] == "bond0,eth0,eth1" and nic0["resource"] == RES
+    assert nic0["numa_node"] == "0" and len(info) == 4
+    assert [dict(k)["mode"] for (name, k) in m if name == "rdma_dp_build_info"] == ["shared"]
+    assert _get(m, "rdma_dp_stream_ends_total", resource=RES) == 0
+    sim.end_stream(RES)
+    assert sim.wait_for(lambda: scraped("rdma_dp_stream_ends_total", resource=RES) == 1, timeout=30), plugin.output()
+    assert sim.wait_registered(RES, count=2, timeout=30)
+    assert sim.wait_for(lambda: scraped("rdma_dp_resource_registered", resource=RES) == 1, timeout=30)

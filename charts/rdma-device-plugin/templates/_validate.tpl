@@ -54,6 +54,14 @@ check fails.
 {{- if and $v.metrics.enabled $v.metrics.serviceMonitor.enabled (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "monitoring.coreos.com/v1"))) }}
 {{- $errors = append $errors "metrics.serviceMonitor.enabled=true needs the prometheus-operator API monitoring.coreos.com/v1, which this cluster does not serve; install prometheus-operator first, set metrics.serviceMonitor.enabled=false, or with helm template pass --api-versions monitoring.coreos.com/v1" }}
 {{- end }}
+{{- if and $v.metrics.prometheusRule.enabled (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "monitoring.coreos.com/v1"))) }}
+{{- $errors = append $errors "metrics.prometheusRule.enabled=true needs the prometheus-operator API monitoring.coreos.com/v1, which this cluster does not serve; install prometheus-operator first, set metrics.prometheusRule.enabled=false, or with helm template pass --api-versions monitoring.coreos.com/v1" }}
+{{- end }}
+{{- range $name := list "prometheusRule" "dashboard" }}
+{{- if and (index $v.metrics $name "enabled") (not $v.metrics.enabled) }}
+{{- $errors = append $errors (printf "metrics.%s.enabled=true needs metrics.enabled=true (its alerts/panels read the plugin's metrics); set both" $name) }}
+{{- end }}
+{{- end }}
 
 {{- /* labels the chart owns (selectors, release bookkeeping) */}}
 {{- $reserved := include "rdma-device-plugin.reservedLabels" . | fromJsonArray }}

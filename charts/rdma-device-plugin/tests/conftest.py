@@ -63,6 +63,15 @@ CASES: dict[str, dict[str, Any]] = {
         "image": {"repository": "127.0.0.1:5000/rdma-device-plugin", "tag": "dev", "pullPolicy": "Always"},
     },
     "no-default-affinity": {"affinity": None, "fullnameOverride": "rdp"},
+    "observability": {
+        "metrics": {
+            "enabled": True,
+            "serviceMonitor": {"enabled": True},
+            "prometheusRule": {"enabled": True, "labels": {"release": "prom"}},
+            "dashboard": {"enabled": True},
+        },
+        "nfd": {"enabled": True},
+    },
 }
 
 

@@ -13,7 +13,7 @@ from conftest import CASES, CHART_DIR, MONITORING, NAMESPACE, VAP_KINDS, by_kind
 
 KUBE_VERSIONS = kube_minor_versions()
 # prometheus-operator CRD: kubernetes-validate has no schema for it (only warns); checked by hand below.
-CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 
 
 def test_kube_versions_cover_declared_range() -> None:

@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"liveness heartbeat file read by `healthcheck` (default {DEFAULT_HEALTH_FILE}; empty: none)",
     )
     serve.add_argument(
+        "--nfd-features-file",
+        default=_env("NFD_FEATURES_FILE", ""),
+        help="write the node's RDMA facts as a Node Feature Discovery local feature file here "
+        "(e.g. /etc/kubernetes/node-feature-discovery/features.d/rdma-device-plugin; off when empty)",
+    )
+    serve.add_argument(
         "--verbs-dev-dir",
         default=_env("VERBS_DEV_DIR", "/dev/infiniband"),
         help="this process's own /dev/infiniband: pyverbs is used only when it holds usable uverbs devices",

@@ -160,7 +160,7 @@ class ResourceConfig(_Strict):
 
 class HealthConfig(_Strict):
     interval_seconds: float = Field(
-        0.5, alias="intervalSeconds", gt=0, le=60, description="How often port states are probed."
+        0.1, alias="intervalSeconds", gt=0, le=60, description="How often port states are probed."
     )
     policy: Literal["all", "any"] = Field(
         "all", description="Shared pool is Healthy when all (default) or any of its NICs have every port ACTIVE."

@@ -20,11 +20,11 @@ from types import FrameType
 
 import grpc
 
-from . import cdi, netchecks
+from . import cdi, netchecks, nfd
 from .config import ConfigError, PluginConfig, load_config, socket_name, socket_path_problems
 from .node import sysfs
 from .resources import NicHealth, ResourcePool, build_pools
-from .server import KUBELET_SOCKET, Hooks, PluginServer
+from .server import KUBELET_SOCKET, Hooks, LiveStatus, PluginServer
 from .supervision import Backoff, LogOnce, remove_health, write_health
 from .verbs import VerbsProbe, verbs_unusable_reason
 
@@ -59,6 +59,9 @@ class Discovery:
         self._unreadable: dict[str, str] = {}  # this re-list's unidentifiable devices -> why
         self._unreadable_logged: dict[str, str] = {}
         self._log_once = LogOnce(LOG)
+        self._ports: sysfs.PortStateReader | None = None  # fast probe: open port-state files (issue 15)
+        self._states: dict[str, tuple[str, ...] | None] | None = None  # last states applied
+        self.features: nfd.FeatureFile | None = None  # --nfd-features-file (issue 15)
 
     def _skipped(self, name: str, reason: str) -> None:
         """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
@@ -125,10 +128,16 @@ class Discovery:
             nic.uverbs is None or not nic.uverbs.present for pool in self.pools for nic in pool.present_nics()
         )
         self.hooks.rediscovered()
+        self.hooks.nics_found(nics)
+        if self.features is not None:
+            self.features.update([n for pool in self.pools for n in pool.present_nics()])
+        self._open_ports([n for n in names if n not in self._unreadable])
         if self.verbs is not None and self.verbs.available():
-            self._apply_states(self.port_states(self._names))
+            self._states = None  # set_nics applied sysfs states: pyverbs' must be applied again
+            self._apply_states(self.port_states(self._names) or {})
         else:
-            self.hooks.port_states({n.name: tuple(p.state for p in n.ports) for n in nics})
+            self._states = {n.name: tuple(p.state for p in n.ports) for n in nics}
+            self.hooks.port_states(self._states)
         for pool in self.pools:
             writer = self.cdi.get(pool.name)
             if writer is not None:
@@ -138,17 +147,33 @@ class Discovery:
                     LOG.error("cannot write CDI spec", extra={"path": writer.path, "error": str(exc)})
         return nics
 
-    def port_states(self, names: list[str]) -> dict[str, tuple[str, ...] | None]:
-        """From pyverbs when available (sysfs for NICs it does not know), else from sysfs."""
+    def _open_ports(self, names: list[str]) -> None:
+        if self._ports is not None:
+            self._ports.close()
+        self._ports = sysfs.PortStateReader(self.sysfs_root, names)
+
+    def close(self) -> None:
+        if self._ports is not None:
+            self._ports.close()
+            self._ports = None
+
+    def port_states(self, names: list[str]) -> dict[str, tuple[str, ...] | None] | None:
+        """From pyverbs when available (sysfs for NICs it does not know), else from the open sysfs
+        port-state files; None when one of those reads failed (the caller re-lists)."""
         if self.verbs is not None and self.verbs.available():
             states = self.verbs.port_states(names)
             missing = [n for n in names if n not in states]
             if missing:
                 states.update(sysfs.read_port_states(self.sysfs_root, missing))
             return states
-        return sysfs.read_port_states(self.sysfs_root, names)
+        if self._ports is None:
+            return sysfs.read_port_states(self.sysfs_root, names)
+        return self._ports.read()
 
     def _apply_states(self, states: dict[str, tuple[str, ...] | None]) -> None:
+        if states == self._states:
+            return  # nothing changed: the common case at every fast probe
+        self._states = states
         self.hooks.port_states(states)
         for pool in self.pools:
             before = pool.health_state()
@@ -172,7 +197,13 @@ class Discovery:
                 LOG.info("RDMA devices changed on the node", extra={"before": self._names, "after": names})
             self.full()
             return
-        self._apply_states(self.port_states([n for n in names if n not in self._unreadable]))
+        states = self.port_states([n for n in names if n not in self._unreadable])
+        if states is None:
+            failed = self._ports.failed if self._ports is not None else ""
+            LOG.info("a port state read failed; re-listing the NICs", extra={"error": failed})
+            self.full()
+            return
+        self._apply_states(states)
 
 
 class Supervisor:
@@ -223,6 +254,14 @@ class Supervisor:
         self.heartbeats: dict[str, float] = {}  # loop name -> wall time it last completed
         self._health_written = 0.0
         self.once = LogOnce(LOG)
+        self.hooks.supervising(self.live_status)
+
+    def live_status(self) -> LiveStatus:
+        return LiveStatus(
+            loops=dict(self.heartbeats),
+            registered=frozenset(self._registered),
+            streams={s.pool.name: s.open_streams() if s.serving else 0 for s in self.servers},
+        )
 
     # ------------------------------------------------------------------ threads
 
@@ -346,6 +385,7 @@ class Supervisor:
         with self._ended_lock:
             ended, self._ended = self._ended, set()
         for name in sorted(ended):
+            self.hooks.stream_ended(name)
             if name in self._registered:
                 LOG.warning(
                     "the kubelet ended the ListAndWatch stream of %s; registering again", name, extra={"resource": name}
@@ -480,6 +520,7 @@ class Supervisor:
         finally:
             for pool in self.pools:
                 pool.close()
+            self.discovery.close()
             for server in self.servers:
                 self._supervised("stop", server.stop)
             probe.join(timeout=2)
@@ -523,6 +564,11 @@ def serve(args: argparse.Namespace) -> int:
         verbs=verbs,
         health_file=args.health_file or None,
     )
+
+    if args.nfd_features_file:
+        supervisor.discovery.features = nfd.FeatureFile(
+            args.nfd_features_file, config.mode, args.sysfs_root, args.procfs_root
+        )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         LOG.info("signal received, stopping", extra={"signal": signal.Signals(signum).name})

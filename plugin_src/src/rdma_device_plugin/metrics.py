@@ -2,32 +2,25 @@
 
 A :class:`MetricsHooks` (the server's ``Hooks`` observer) owns its own registry and
 serves it over HTTP with prometheus_client's threaded WSGI server bound to the given
-address only. Metrics:
-
-- ``rdma_dp_devices{resource,health}``: devices advertised, by health (gauge, read from
-  the pools at scrape time)
-- ``rdma_dp_port_active{nic,port}``: 1 when the port is ACTIVE/ACTIVE_DEFER, else 0;
-  ``rdma_dp_port_state{nic,port,state}``: 1 for the current state (gauges)
-- ``rdma_dp_allocations_total{resource,result}``: Allocate calls, result ok|error
-- ``rdma_dp_allocate_seconds{resource}``: Allocate latency (histogram)
-- ``rdma_dp_registrations_total{resource}``: successful registrations with the kubelet
-- ``rdma_dp_kubelet_restarts_total``: kubelet restarts noticed
-- ``rdma_dp_rediscoveries_total``: full NIC re-listings
+address only. The metrics, their labels and the alerts built on them are listed in one
+table: docs/operations.md ("Metrics"). Gauges that describe state are read at scrape
+time (pools, NICs, the supervisor's loops), so a scrape never sees a stale copy.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .node.sysfs import ACTIVE_STATES
+from . import __version__
+from .node.sysfs import ACTIVE_STATES, Nic
 from .resources import HEALTHY, UNHEALTHY, ResourcePool
-from .server import Hooks
+from .server import Hooks, LiveStatus
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -69,6 +62,48 @@ class _StateCollector(Collector):
                 state.add_metric([nic, str(i), s], 1)
         yield active
         yield state
+        yield from self._nics()
+        yield from self._live()
+
+    def _nics(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "rdma_dp_nic_info",
+            'RDMA NIC facts (1): link layer, netdevs, NUMA node ("" when none) and the resource serving it',
+            labels=["nic", "pci_address", "link_layer", "netdev", "numa_node", "resource"],
+        )
+        with self.hooks.lock:
+            nics = list(self.hooks.nics)
+        owners = {nic.name: pool.name for pool in self.hooks.pools for nic in pool.present_nics()}
+        for nic in nics:
+            layers = sorted({p.link_layer for p in nic.ports if p.link_layer})
+            numa = "" if nic.numa_node is None else str(nic.numa_node)
+            labels = [nic.name, nic.pci_address, ",".join(layers), ",".join(sorted(nic.netdevs)), numa]
+            info.add_metric([*labels, owners.get(nic.name, "")], 1)
+        yield info
+
+    def _live(self) -> Iterator[Metric]:
+        status = self.hooks.status() if self.hooks.status is not None else None
+        if status is None:
+            return
+        registered = GaugeMetricFamily(
+            "rdma_dp_resource_registered", "1 while the resource is registered with the kubelet", labels=["resource"]
+        )
+        streams = GaugeMetricFamily(
+            "rdma_dp_kubelet_stream_open", "1 while the kubelet has a ListAndWatch stream open", labels=["resource"]
+        )
+        for pool in self.hooks.pools:
+            registered.add_metric([pool.name], 1 if pool.name in status.registered else 0)
+            streams.add_metric([pool.name], 1 if status.streams.get(pool.name, 0) > 0 else 0)
+        yield registered
+        yield streams
+        loops = GaugeMetricFamily(
+            "rdma_dp_loop_last_success_timestamp_seconds",
+            "Unix time a supervised loop last completed a pass (probe: health probe, watch: kubelet socket watch)",
+            labels=["loop"],
+        )
+        for name, last in sorted(status.loops.items()):
+            loops.add_metric([name], last)
+        yield loops
 
 
 class MetricsHooks(Hooks):
@@ -77,7 +112,12 @@ class MetricsHooks(Hooks):
         self.lock = threading.Lock()
         self.pools: list[ResourcePool] = []
         self.ports: dict[str, tuple[str, ...] | None] = {}
+        self.nics: list[Nic] = []
+        self.status: Callable[[], LiveStatus] | None = None
         self._server: Any = None
+        self.info = Gauge(
+            "rdma_dp_build_info", "Plugin version and mode (1)", ["version", "mode"], registry=self.registry
+        )
         self.allocations = Counter(
             "rdma_dp_allocations", "Allocate calls by result", ["resource", "result"], registry=self.registry
         )
@@ -93,6 +133,12 @@ class MetricsHooks(Hooks):
         )
         self.kubelet_restarts = Counter("rdma_dp_kubelet_restarts", "Kubelet restarts noticed", registry=self.registry)
         self.rediscoveries = Counter("rdma_dp_rediscoveries", "Full NIC re-listings", registry=self.registry)
+        self.stream_ends = Counter(
+            "rdma_dp_stream_ends",
+            "ListAndWatch streams the kubelet ended while serving",
+            ["resource"],
+            registry=self.registry,
+        )
         self.registry.register(_StateCollector(self))
 
     # ------------------------------------------------------------------ Hooks
@@ -110,16 +156,29 @@ class MetricsHooks(Hooks):
     def rediscovered(self) -> None:
         self.rediscoveries.inc()
 
+    def stream_ended(self, resource: str) -> None:
+        self.stream_ends.labels(resource).inc()
+
+    def nics_found(self, nics: Sequence[Nic]) -> None:
+        with self.lock:
+            self.nics = list(nics)
+
+    def supervising(self, status: Callable[[], LiveStatus]) -> None:
+        self.status = status
+
     def port_states(self, states: Mapping[str, tuple[str, ...] | None]) -> None:
         with self.lock:
             self.ports.update(states)
 
     def pools_ready(self, pools: Sequence[ResourcePool]) -> None:
         self.pools = list(pools)
+        for mode in sorted({pool.mode for pool in self.pools}):
+            self.info.labels(__version__, mode).set(1)
         for pool in self.pools:  # make the series exist before the first call
             self.allocations.labels(pool.name, "ok")
             self.allocations.labels(pool.name, "error")
             self.registrations.labels(pool.name)
+            self.stream_ends.labels(pool.name)
 
     # ------------------------------------------------------------------ HTTP
 

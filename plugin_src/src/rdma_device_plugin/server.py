@@ -23,12 +23,14 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from .api import deviceplugin_pb2 as pb
 from .api import deviceplugin_pb2_grpc as pb_grpc
+from .node.sysfs import Nic
 from .resources import AllocationError, ContainerAllocation, Device, ResourcePool
 
 LOG = logging.getLogger(__name__)
@@ -55,6 +57,15 @@ def allocation_message(alloc: ContainerAllocation) -> Any:
     return resp
 
 
+@dataclass(frozen=True)
+class LiveStatus:
+    """What the supervisor shows the metrics at scrape time."""
+
+    loops: Mapping[str, float]  # loop name -> wall time it last completed
+    registered: frozenset[str]  # resources registered with the current kubelet
+    streams: Mapping[str, int]  # resource -> ListAndWatch streams open
+
+
 class Hooks:
     """Optional observers (metrics); every method is a no-op here."""
 
@@ -69,6 +80,12 @@ class Hooks:
     def port_states(self, states: Mapping[str, tuple[str, ...] | None]) -> None: ...
 
     def pools_ready(self, pools: Sequence[ResourcePool]) -> None: ...
+
+    def nics_found(self, nics: Sequence[Nic]) -> None: ...
+
+    def stream_ended(self, resource: str) -> None: ...
+
+    def supervising(self, status: Callable[[], LiveStatus]) -> None: ...
 
 
 _TMP_IDS = itertools.count()

@@ -188,6 +188,18 @@ class FixtureNode:
             fh.write(text + "\n")
         os.replace(tmp, path)
 
+    @staticmethod
+    def _rewrite(path: str, text: str) -> None:
+        """Rewrite an existing attribute in place (same inode); a reader may see a torn value for an
+        instant, which PortStateReader re-reads."""
+        data = (text + "\n").encode()
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+        finally:
+            os.close(fd)
+
     def _symlink(self, link: str, target: str) -> None:
         """Relative symlink link -> target, as the kernel makes them."""
         os.makedirs(os.path.dirname(link), exist_ok=True)
@@ -336,7 +348,9 @@ class FixtureNode:
 
     def set_port_state(self, name: str, state: str, port: int = 1) -> None:
         pdir = os.path.join(self.sysfs, "class", "infiniband", name, "ports", str(port))
-        self._write(os.path.join(pdir, "state"), f"{_STATE_CODES[state]}: {state}")
+        # In place, not replaced: a sysfs attribute keeps its inode and a reader that keeps it open
+        # (PortStateReader) sees the new value at its next pread, as on a real node.
+        self._rewrite(os.path.join(pdir, "state"), f"{_STATE_CODES[state]}: {state}")
         phys = "LinkUp" if state in ("ACTIVE", "ACTIVE_DEFER") else "Disabled"
         self._write(os.path.join(pdir, "phys_state"), f"{_PHYS_CODES[phys]}: {phys}")
 
