@@ -97,3 +97,31 @@ def test_status_file_survives_a_kubelet_restart(sim, start_plugin, dp_dir: Path)
     sim.restart()
     assert sim.wait_registered(RES, count=registrations + 1, timeout=30)
     assert status(dp_dir).returncode == 0
+
+
+def test_status_hooks_forward_every_hook_to_the_wrapped_one(tmp_path: Path) -> None:
+    """serve wraps the metrics hooks in the status-file hooks: a hook not forwarded would
+    silently freeze the metrics alerts rely on (stream open, loop timestamps, NIC info)."""
+    import inspect
+
+    from rdma_device_plugin.server import Hooks
+    from rdma_device_plugin.status import StatusFileHooks
+
+    calls: list[str] = []
+
+    class Recorder(Hooks):
+        pass
+
+    names = [n for n, f in inspect.getmembers(Hooks, inspect.isfunction) if not n.startswith("_")]
+    for name in names:
+        setattr(Recorder, name, lambda self, *a, _n=name, **k: calls.append(_n))
+    hooks = StatusFileHooks(str(tmp_path / "status.json"), Recorder())
+    try:
+        for name in names:
+            args = [() for _ in list(inspect.signature(getattr(Hooks, name)).parameters)[1:]]
+            if name == "allocated":
+                args = ["rdma/hca", 0.001, True]
+            getattr(hooks, name)(*args)
+    finally:
+        hooks.stop()
+    assert sorted(calls) == sorted(names)

@@ -22,12 +22,12 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .node.sysfs import ACTIVE_STATES
+from .node.sysfs import ACTIVE_STATES, Nic
 from .resources import HEALTHY, ResourcePool
-from .server import Hooks
+from .server import Hooks, LiveStatus
 
 STATUS_FILE = os.path.join("rdma-device-plugin", "status.json")
 LAST_ALLOCATIONS = 10
@@ -127,6 +127,16 @@ class StatusFileHooks(Hooks):
         self.inner.pools_ready(pools)
         self.pools = pools
         self._wake.set()
+
+    # Observed only by the wrapped hooks (metrics); forwarded so that wrapping loses nothing.
+    def nics_found(self, nics: Sequence[Nic]) -> None:
+        self.inner.nics_found(nics)
+
+    def stream_ended(self, resource: str) -> None:
+        self.inner.stream_ended(resource)
+
+    def supervising(self, status: Callable[[], LiveStatus]) -> None:
+        self.inner.supervising(status)
 
     # ----------------------------------------------------------------- writer
     def write_now(self) -> None:
