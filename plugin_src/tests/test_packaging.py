@@ -60,3 +60,18 @@ def test_dockerfile_installs_with_require_hashes_and_pins_the_base() -> None:
     assert froms and all(f == "${BASE_IMAGE}${BASE_IMAGE_DIGEST:+@}${BASE_IMAGE_DIGEST}" for f in froms), froms
     assert "/usr/share/rdma-device-plugin/sbom.txt" in dockerfile
     assert "org.opencontainers.image.base.digest" in dockerfile
+
+
+def test_version_is_printed_on_stdout() -> None:
+    """`--version` answers on stdout (scripts and the image check read it there), without a traceback."""
+    import subprocess
+    import sys
+
+    from rdma_device_plugin import __version__
+
+    result = subprocess.run(
+        [sys.executable, "-m", "rdma_device_plugin", "--version"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"rdma-device-plugin {__version__}\n"
+    assert result.stderr == ""

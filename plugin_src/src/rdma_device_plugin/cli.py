@@ -46,7 +46,8 @@ class _Version(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
         from . import __version__
 
-        parser.exit(message=f"rdma-device-plugin {__version__}\n")
+        print(f"rdma-device-plugin {__version__}")  # stdout, as argparse's own version action does
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
