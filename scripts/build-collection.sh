@@ -24,6 +24,12 @@ cp library/*.py "$stage/plugins/modules/"
 cp -rL module_utils/rdma_node "$stage/plugins/module_utils/rdma_node"
 find "$stage/plugins/module_utils" -name __pycache__ -prune -exec rm -rf {} +
 cp filter_plugins/*.py "$stage/plugins/filter/"
+# Inside a collection, roles find their collection's modules by short name but not its Jinja
+# filters (ansible-core resolves those only by FQCN or from filter_plugins/ next to the play):
+# qualify this repository's filters in the staged roles and playbooks.
+filters=$(grep -h 'return {' filter_plugins/*.py | grep -o '"[a-z_0-9]*":' | tr -d '":' | sort -u | paste -sd'|')
+[[ -n $filters ]] || { echo "no filters found in filter_plugins/" >&2; exit 1; }
+find "$stage/roles" "$stage/playbooks" -name '*.yml' -o -name '*.j2' | xargs sed -i -E "s/\| *($filters)\b/| lingjun.rdma.\1/g"
 ansible-galaxy collection build "$stage" --output-path "$out" --force
 tarball=$(ls "$out"/lingjun-rdma-*.tar.gz)
 echo "built $tarball"
