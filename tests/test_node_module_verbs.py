@@ -8,10 +8,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import BIN, ROOT, ansible_env
+from conftest import node_info
 from rdma_device_plugin.node import fixtures
 
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -22,45 +21,10 @@ def _has_pyverbs(python: str) -> bool:
     return probe.returncode == 0
 
 
-def _node_info(python: str, *args: str) -> dict[str, Any]:
-    """One ad-hoc run of the module on localhost with ``python`` as the node's interpreter."""
-    run = subprocess.run(
-        [
-            str(BIN / "ansible"),
-            "localhost",
-            "-c",
-            "local",
-            "-m",
-            "rdma_node_info",
-            "-a",
-            json.dumps(
-                {
-                    "sysfs_root": "/sys",
-                    "procfs_root": "/proc",
-                    "dev_root": "/dev",
-                    **dict(a.split("=", 1) for a in args),
-                }
-            ),
-            "-e",
-            f"ansible_python_interpreter={python}",
-        ],
-        cwd=ROOT,
-        env={**ansible_env(), "ANSIBLE_STDOUT_CALLBACK": "json", "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    result: dict[str, Any] = json.loads(run.stdout)["plays"][0]["tasks"][0]["hosts"]["localhost"]
-    assert "exception" not in result and "Traceback" not in run.stdout + run.stderr, result
-    return result
-
-
 @pytest.mark.skipif(not _has_pyverbs(SYSTEM_PYTHON), reason="no python3-pyverbs for /usr/bin/python3")
 @pytest.mark.skipif(any(Path("/sys/class/infiniband").glob("*")), reason="this machine has RDMA devices")
 def test_system_pyverbs_cannot_list_devices_and_module_uses_sysfs() -> None:
-    result = _node_info(SYSTEM_PYTHON)
+    result = node_info(SYSTEM_PYTHON)
     verbs = result["node"]["verbs"]
     assert verbs.startswith("pyverbs could not list devices (PyverbsRDMAError: "), verbs
     assert verbs.endswith(": sysfs only"), verbs
@@ -70,13 +34,13 @@ def test_system_pyverbs_cannot_list_devices_and_module_uses_sysfs() -> None:
 
 def test_without_pyverbs_module_says_so_once() -> None:
     assert not _has_pyverbs(sys.executable), "this venv must not have pyverbs for this test"
-    result = _node_info(sys.executable)
+    result = node_info(sys.executable)
     assert result["node"]["verbs"] == "pyverbs not importable: sysfs only"
     assert json.dumps(result).count("pyverbs") == 1
 
 
 def test_fixture_roots_do_not_consult_verbs(tmp_path: Path) -> None:
     node = fixtures.write_node(str(tmp_path / "n"), fixtures.lingjun_node(nics=2))
-    result = _node_info(SYSTEM_PYTHON, f"sysfs_root={node.sysfs}", f"procfs_root={node.procfs}", f"dev_root={node.dev}")
+    result = node_info(SYSTEM_PYTHON, f"sysfs_root={node.sysfs}", f"procfs_root={node.procfs}", f"dev_root={node.dev}")
     assert result["node"]["verbs"].startswith("pyverbs not used: libibverbs reads /sys and /dev")
     assert len(result["node"]["nics"]) == 2
