@@ -129,11 +129,20 @@ node:
     summary:
       description: Per role, the summary row of the fleet report (NIC count, link layers, firmware, IPv6, ...).
       type: dict
+    verbs:
+      description: >-
+        Whether pyverbs was used, said once: C(pyverbs lists <devices>) (every selected NIC opened
+        and its port states and GID table queried; a NIC that sysfs lists but libibverbs does not
+        list or cannot open is a failed C(verbs_open) check naming the NIC and the fix),
+        C(pyverbs could not list devices (<error>): sysfs only), C(pyverbs not importable: sysfs only)
+        or C(pyverbs not used: ...) for fixture roots (libibverbs reads only the real /sys and /dev).
+      type: str
     nics:
       description: >-
         Names of the selected RDMA devices; with C(details), the reader's C(Nic.to_dict()), plus C(compute_netdevs)
         (netdevs that own the NIC's GIDs, i.e. carry its IP; the bond for a RoCE LAG),
-        C(all_ports_active) and per port C(active) and C(rate_gbps).
+        C(all_ports_active), per port C(active) and C(rate_gbps), and C(verbs) (C(port_states), C(gids)) when
+        libibverbs opened it.
       type: list
       elements: dict
     ignored:
@@ -170,14 +179,21 @@ node:
       elements: dict
 """
 
+import os
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
 
 try:  # installed as the lingjun.rdma collection
-    from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_node import ipv6checks, nicchecks, selectors, sysfs
+    from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_node import (
+        ipv6checks,
+        nicchecks,
+        selectors,
+        sysfs,
+        verbs,
+    )
 except ImportError:  # run from this repository (ansible.cfg: module_utils = ./module_utils)
-    from ansible.module_utils.rdma_node import ipv6checks, nicchecks, selectors, sysfs  # type: ignore[no-redef]
+    from ansible.module_utils.rdma_node import ipv6checks, nicchecks, selectors, sysfs, verbs  # type: ignore[no-redef]
 
 NIC_OPTIONS = (
     "modules",
@@ -193,8 +209,19 @@ IPV6_OPTIONS = ("ipv6_netns_mode", "ipv6_roce_v2_gid")
 SELECTOR_KEYS = ("vendors", "deviceIDs", "drivers", "ifNames", "rdmaDevices", "linkTypes")
 
 
-def _nic_data(nic: sysfs.Nic) -> dict[str, Any]:
+def _verbs(sysfs_root: str, dev_root: str, names: list[str]) -> verbs.VerbsRead:
+    """pyverbs where it can work: libibverbs enumerates the real /sys and opens the real /dev,
+    so a fixture tree is read from sysfs only (and pyverbs is not imported). The interpreter's
+    own pyverbs only: Debian's dist-packages is not borrowed for another Python."""
+    if os.path.realpath(sysfs_root) != "/sys" or os.path.realpath(dev_root) != "/dev":
+        return verbs.VerbsRead("pyverbs not used: libibverbs reads /sys and /dev, not these roots: sysfs only")
+    return verbs.read(names, lambda: verbs.load_pyverbs_device(extra_path=None))
+
+
+def _nic_data(nic: sysfs.Nic, seen: verbs.VerbsRead) -> dict[str, Any]:
     data = nic.to_dict()
+    if nic.name in seen.ports:
+        data["verbs"] = {"port_states": seen.ports[nic.name], "gids": [list(g) for g in seen.gids[nic.name]]}
     ports = data["ports"]
     assert isinstance(ports, list)
     for port_obj, port in zip(nic.ports, ports):
@@ -314,6 +341,8 @@ def main() -> None:
         sysfs_root=p["sysfs_root"],
         selection=selection,
     )
+    seen = _verbs(p["sysfs_root"], p["dev_root"], [n.name for n in selected])
+    nic_checks += seen.checks()
 
     netns_mode = sysfs.netns_mode(p["sysfs_root"])
     netdevs = ipv6checks.read_netdevs(p["procfs_root"], selected)
@@ -336,7 +365,8 @@ def main() -> None:
         "procfs_root": p["procfs_root"],
         "dev_root": p["dev_root"],
         "options": options,
-        "nics": [_nic_data(n) for n in selected] if p["details"] else [n.name for n in selected],
+        "verbs": seen.status,
+        "nics": [_nic_data(n, seen) for n in selected] if p["details"] else [n.name for n in selected],
         "ignored": [
             {"name": n.name, "vendor": n.vendor, "device_id": n.device_id, "driver": n.driver} for n in ignored
         ],
@@ -388,7 +418,7 @@ def _exit(module: AnsibleModule, node: dict[str, Any]) -> None:
         },
     }
     # The fact is the result: the node's read is not returned again (controller memory at fleet scale).
-    lean = {k: node[k] for k in ("sysfs_root", "procfs_root", "dev_root", "options")}
+    lean = {k: node[k] for k in ("sysfs_root", "procfs_root", "dev_root", "options", "verbs") if k in node}
     module.exit_json(changed=False, node=lean, ansible_facts={"rdma_validation": fact})
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +34,42 @@ def run_playbook(*args: str, timeout: int = 900, **env: str) -> subprocess.Compl
         timeout=timeout,
         check=False,
     )
+
+
+def node_info(python: str, *args: str) -> dict[str, Any]:
+    """One ad-hoc ``rdma_node_info`` run on localhost with ``python`` as the node's interpreter (real
+    AnsiballZ); ``args`` are ``key=value`` module options over the real roots."""
+    run = subprocess.run(
+        [
+            str(BIN / "ansible"),
+            "localhost",
+            "-c",
+            "local",
+            "-m",
+            "rdma_node_info",
+            "-a",
+            json.dumps(
+                {
+                    "sysfs_root": "/sys",
+                    "procfs_root": "/proc",
+                    "dev_root": "/dev",
+                    **dict(a.split("=", 1) for a in args),
+                }
+            ),
+            "-e",
+            f"ansible_python_interpreter={python}",
+        ],
+        cwd=ROOT,
+        env={**ansible_env(), "ANSIBLE_STDOUT_CALLBACK": "json", "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    result: dict[str, Any] = json.loads(run.stdout)["plays"][0]["tasks"][0]["hosts"]["localhost"]
+    assert "exception" not in result and "Traceback" not in run.stdout + run.stderr, result
+    return result
 
 
 @pytest.fixture

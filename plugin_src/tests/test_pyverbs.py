@@ -14,6 +14,7 @@ from rdma_device_plugin.config import load_config_data
 from rdma_device_plugin.daemon import Discovery
 from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures
+from rdma_device_plugin.node import verbs as node_verbs
 from rdma_device_plugin.resources import build_pools
 from rdma_device_plugin.verbs import VerbsProbe, load_pyverbs_device
 
@@ -195,3 +196,52 @@ def test_serve_does_not_import_pyverbs_without_uverbs_devices(  # type: ignore[n
     assert out.count("port state and GIDs from sysfs: pyverbs not used:") == 1, out
     assert "does not exist in this container" in out
     assert "pyverbs does not import" not in out and "pyverbs lists" not in out
+
+
+# --------------------------------------------------------------------------- the node module's read
+
+
+def test_node_read_opens_every_selected_nic_and_names_the_ones_verbs_cannot_open() -> None:
+    """rdma_node_info's view (node/verbs.read): sysfs selects bond_0..2; verbs lists bond_0 and
+    bond_1 but cannot open bond_1; bond_2 is not listed at all."""
+    fake = FakeVerbs({"mlx5_bond_0": [4], "mlx5_bond_1": [4]})
+    refuse = fake.Context
+
+    def context(name: str) -> FakeContext:
+        if name == "mlx5_bond_1":
+            raise FakeRDMAError("Failed to open device")
+        return refuse(name)
+
+    fake.Context = context  # type: ignore[method-assign]
+    seen = node_verbs.read(["mlx5_bond_0", "mlx5_bond_1", "mlx5_bond_2"], lambda: fake)
+    assert seen.used and seen.status == "pyverbs lists mlx5_bond_0,mlx5_bond_1"
+    assert seen.ports == {"mlx5_bond_0": ["ACTIVE"]}
+    assert seen.gids["mlx5_bond_0"][1] == ("2408:4005:0300:0000:0000:0000:0000:0011", "RoCE v2")
+    messages = {c.nic: (c.passed, c.message()) for c in seen.checks()}
+    assert messages["mlx5_bond_0"] == (True, "mlx5_bond_0: opened through libibverbs (ports ACTIVE)")
+    assert messages["mlx5_bond_1"] == (
+        False,
+        "mlx5_bond_1: libibverbs cannot open it (FakeRDMAError: Failed to open device). Fix: " + node_verbs.FIX_OPEN,
+    )
+    assert messages["mlx5_bond_2"] == (
+        False,
+        "mlx5_bond_2: sysfs lists it but libibverbs does not. Fix: " + node_verbs.FIX_PROVIDER,
+    )
+
+
+@pytest.mark.parametrize(
+    ("loader", "status", "failed"),
+    [
+        (_missing, "pyverbs not importable: sysfs only", []),
+        (
+            lambda: FakeVerbs(raise_list=True),
+            "pyverbs could not list devices (FakeRDMAError: Failed to get devices list): sysfs only",
+            ["mlx5_bond_0"],
+        ),
+    ],
+    ids=["no-import", "list-raises"],
+)
+def test_node_read_without_usable_pyverbs(loader: Any, status: str, failed: list[str]) -> None:
+    seen = node_verbs.read(["mlx5_bond_0"], loader)
+    assert not seen.used and seen.status == status and seen.ports == {}
+    assert [c.nic for c in seen.checks() if not c.passed] == failed

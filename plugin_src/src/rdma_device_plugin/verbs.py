@@ -19,34 +19,17 @@ The loader is a seam: tests pass a fake module object.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import sys
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import Any
 
-from .node.sysfs import PORT_STATES
+from .node import verbs as node_verbs
+from .node.verbs import load_pyverbs_device
+
+__all__ = ["VerbsProbe", "load_pyverbs_device", "verbs_unusable_reason"]
 
 LOG = logging.getLogger(__name__)
-
-DEBIAN_DIST_PACKAGES = "/usr/lib/python3/dist-packages"
-GID_TYPES = {0: "IB/RoCE v1", 1: "RoCE v2"}
-
-
-def load_pyverbs_device() -> ModuleType:
-    """Import ``pyverbs.device``; falls back to Debian's dist-packages for this import only."""
-    try:
-        return importlib.import_module("pyverbs.device")
-    except ImportError:
-        if DEBIAN_DIST_PACKAGES in sys.path:
-            raise
-    sys.path.append(DEBIAN_DIST_PACKAGES)
-    try:
-        return importlib.import_module("pyverbs.device")
-    finally:
-        sys.path.remove(DEBIAN_DIST_PACKAGES)
 
 
 def verbs_unusable_reason(dev_dir: str = "/dev/infiniband") -> str | None:
@@ -62,11 +45,6 @@ def verbs_unusable_reason(dev_dir: str = "/dev/infiniband") -> str | None:
     if not any(os.access(os.path.join(dev_dir, n), os.R_OK | os.W_OK) for n in names):
         return f"no readable and writable {dev_dir}/uverbs* in this container"
     return None
-
-
-def _name(dev: Any) -> str:
-    name = dev.name
-    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 class VerbsProbe:
@@ -92,14 +70,14 @@ class VerbsProbe:
         except Exception as exc:  # ImportError, or a compiled extension that does not load
             return self._fallback(f"pyverbs does not import ({type(exc).__name__}: {exc})")
         try:
-            devices = list(mod.get_device_list())
+            devices = node_verbs.list_devices(mod)
         except Exception as exc:  # PyverbsRDMAError when the node has no RDMA device
             return self._fallback(f"pyverbs lists no RDMA devices ({type(exc).__name__}: {exc})")
         if not devices:
             return self._fallback("pyverbs lists no RDMA devices (empty list)")
         self._mod = mod
         self._available = True
-        self.reason = "pyverbs lists " + ",".join(sorted(_name(d) for d in devices))
+        self.reason = "pyverbs lists " + ",".join(devices)
         LOG.info("port state and GIDs from pyverbs", extra={"devices": self.reason})
         return True
 
@@ -113,7 +91,7 @@ class VerbsProbe:
         if not self.available():
             return []
         try:
-            return sorted(_name(d) for d in self._mod.get_device_list())
+            return node_verbs.list_devices(self._mod)
         except Exception:
             return []
 
@@ -141,11 +119,7 @@ class VerbsProbe:
                 self._drop(name)
                 continue
             try:
-                ctx = self._context(name)
-                count = int(ctx.query_device().phys_port_cnt)
-                result[name] = tuple(
-                    PORT_STATES.get(int(ctx.query_port(p).state), "UNKNOWN") for p in range(1, count + 1)
-                )
+                result[name] = node_verbs.port_states(self._context(name))
             except Exception as exc:  # device vanished under us, or a driver error
                 LOG.debug("verbs query of %s failed: %s", name, exc)
                 self._drop(name)
@@ -156,26 +130,12 @@ class VerbsProbe:
         """Non-zero GIDs of every port of ``name`` as (gid "fe80:0000:...", type "RoCE v2" | "IB/RoCE v1" | "")."""
         if not self.available() or name not in self.devices():
             return []
-        out: list[tuple[str, str]] = []
         try:
-            ctx = self._context(name)
-            for port in range(1, int(ctx.query_device().phys_port_cnt) + 1):
-                for index in range(int(ctx.query_port(port).gid_tbl_len)):
-                    try:
-                        gid = str(ctx.query_gid(port, index)).lower()
-                    except Exception:
-                        continue
-                    if not gid or not set(gid) - {"0", ":"}:
-                        continue
-                    try:  # ibv_query_gid_type answers enum ibv_gid_type_sysfs: 0 IB/RoCE v1, 1 RoCE v2
-                        gtype = GID_TYPES.get(int(ctx.query_gid_type(port, index)), "")
-                    except Exception:
-                        gtype = ""
-                    out.append((gid, gtype))
+            return node_verbs.gids(self._context(name))
         except Exception as exc:
             LOG.debug("verbs GID query of %s failed: %s", name, exc)
             self._drop(name)
-        return out
+            return []
 
     def close(self) -> None:
         for name in list(self._contexts):

@@ -184,7 +184,7 @@ class FixtureNode:
         """Atomic replace, so a concurrent reader never sees a half-written attribute."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as fh:  # raw bytes, as the kernel writes names
             fh.write(text + "\n")
         os.replace(tmp, path)
 
@@ -338,7 +338,10 @@ class FixtureNode:
             for entry in sorted(os.listdir(kdir)) if os.path.isdir(kdir) else []:
                 cdir = os.path.join(kdir, entry)
                 ibdev_file = os.path.join(cdir, "ibdev")
-                if os.path.isfile(ibdev_file) and Path(ibdev_file).read_text(encoding="utf-8").strip() == name:
+                if (
+                    os.path.isfile(ibdev_file)
+                    and Path(ibdev_file).read_text(encoding="utf-8", errors="surrogateescape").strip() == name
+                ):
                     real = os.path.realpath(cdir)
                     os.unlink(cdir)
                     shutil.rmtree(real, ignore_errors=True)
@@ -365,7 +368,7 @@ class FixtureNode:
 
     def _append_line(self, path: str, line: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "a", encoding="utf-8") as fh:
+        with open(path, "a", encoding="utf-8", errors="surrogateescape") as fh:
             fh.write(line + "\n")
 
     def write(self, spec: NodeSpec) -> FixtureNode:

@@ -20,6 +20,9 @@ name                        scope  passes when
 ``uverbs``                  NIC    the NIC's uverbs char device exists under /dev/infiniband
 ``firmware_consistent``     node   every selected NIC runs the same firmware (the odd ones named)
 ``rdma_cm``                 node   /dev/infiniband/rdma_cm exists
+``verbs_open``              NIC    libibverbs lists and opens the NIC (from :mod:`.verbs`, added
+                                   by ``rdma_node_info`` only when pyverbs imports on the real
+                                   /sys and /dev)
 ==========================  =====  ===========================================================
 """
 

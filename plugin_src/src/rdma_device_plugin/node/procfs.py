@@ -9,7 +9,8 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
-from .sysfs import read_text
+from .sysfs import read_text  # the one decoding policy (.text) for procfs too
+from .text import to_fs
 
 SCOPE_GLOBAL = 0x00
 SCOPE_LINK = 0x20
@@ -111,7 +112,7 @@ def ipv6_disabled(procfs_root: str, ifname: str) -> bool | None:
     """True/False from conf/<if>/disable_ipv6 (or conf/all); None when neither exists."""
     conf = os.path.join(procfs_root, "sys", "net", "ipv6", "conf")
     all_value = read_text(os.path.join(conf, "all", "disable_ipv6"))
-    if_value = read_text(os.path.join(conf, ifname, "disable_ipv6"))
+    if_value = read_text(os.path.join(conf, to_fs(ifname), "disable_ipv6"))
     if all_value is None and if_value is None:
         return None
     return all_value == "1" or if_value == "1"

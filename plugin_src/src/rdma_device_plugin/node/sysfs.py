@@ -14,6 +14,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import text
+
 LOG = logging.getLogger(__name__)
 
 NODE_DEV_DIR = "/dev/infiniband"
@@ -181,28 +183,35 @@ def _chardev_dict(dev: CharDevice | None) -> dict[str, object] | None:
 
 
 def read_text(path: str) -> str | None:
-    """Stripped contents of a sysfs attribute, or None when absent or unreadable."""
+    """Stripped contents of a sysfs/procfs file decoded by the one policy (:mod:`.text`), or None
+    when absent or unreadable."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return fh.read().strip()
+        with open(path, "rb") as fh:
+            return text.decode(fh.read()).strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:  # EACCES, EIO (sysfs returns EIO for some attributes), ELOOP
-        LOG.warning("cannot read %s: %s", path, exc)
+        LOG.warning("cannot read %s: %s", text.from_fs(path), exc)
         return None
 
 
 def _listdir(path: str) -> list[str]:
+    """Entry names, decoded like file contents (:func:`.text.from_fs`)."""
     try:
-        return sorted(os.listdir(path))
+        return sorted(text.from_fs(e) for e in os.listdir(path))
     except OSError:
         return []
+
+
+def _path(base: str, *names: str) -> str:
+    """``base`` joined with decoded names turned back into the path components they came from."""
+    return os.path.join(base, *(text.to_fs(n) for n in names))
 
 
 def _link_name(path: str) -> str:
     """Basename of a symlink's target (driver -> .../drivers/mlx5_core), "" when absent."""
     try:
-        return os.path.basename(os.readlink(path))
+        return text.from_fs(os.path.basename(os.readlink(path)))
     except OSError:
         return ""
 
@@ -248,7 +257,7 @@ def _present(dev_root: str, sysfs_entry: str, name: str) -> bool:
     With an empty dev root, ask sysfs: devtmpfs creates the /dev node together with the sysfs
     entry's ``dev`` attribute (major:minor), so no host /dev has to be mounted to know it."""
     if dev_root:
-        return os.path.exists(os.path.join(dev_root, "infiniband", name))
+        return os.path.exists(_path(dev_root, "infiniband", name))
     return os.path.isfile(os.path.join(sysfs_entry, "dev"))
 
 
@@ -263,12 +272,12 @@ def _char_devices(sysfs_root: str, dev_root: str, klass: str, prefix: str) -> di
     for entry in _listdir(class_dir):
         if not entry.startswith(prefix) or not entry[len(prefix) :].isdigit():
             continue
-        ibdev = read_text(os.path.join(class_dir, entry, "ibdev"))
+        ibdev = read_text(_path(class_dir, entry, "ibdev"))
         if not ibdev:
             LOG.warning("%s/%s has no readable ibdev file; skipped", klass, entry)
             continue
-        port = _int_or_none(read_text(os.path.join(class_dir, entry, "port")))
-        present = _present(dev_root, os.path.join(class_dir, entry), entry)
+        port = _int_or_none(read_text(_path(class_dir, entry, "port")))
+        present = _present(dev_root, _path(class_dir, entry), entry)
         found.setdefault(ibdev, []).append(CharDevice(entry, f"{NODE_DEV_DIR}/{entry}", present, port))
     return found
 
@@ -337,10 +346,10 @@ def _netdevs(sysfs_root: str, pci_dir: str, ports: list[Port]) -> tuple[str, ...
 
     for ifname in _listdir(os.path.join(pci_dir, "net")):
         add(ifname)
-        master = _link_name(os.path.join(sysfs_root, "class", "net", ifname, "master"))
+        master = _link_name(_path(sysfs_root, "class", "net", ifname, "master"))
         add(master)
         if master:  # the other slaves of a RoCE LAG bond
-            for entry in _listdir(os.path.join(sysfs_root, "class", "net", master)):
+            for entry in _listdir(_path(sysfs_root, "class", "net", master)):
                 if entry.startswith("lower_"):
                     add(entry.removeprefix("lower_"))
     for port in ports:
@@ -365,17 +374,17 @@ def read_nic(
     issm: dict[str, list[CharDevice]] | None = None,
 ) -> Nic:
     """Read one RDMA device. Raises SysfsError when it cannot be identified at all."""
-    ibdev_dir = os.path.join(sysfs_root, "class", "infiniband", name)
+    ibdev_dir = _path(sysfs_root, "class", "infiniband", name)
     if not os.path.isdir(ibdev_dir):
-        raise SysfsError(f"{ibdev_dir} is missing or a dangling symlink")
+        raise SysfsError(f"{text.from_fs(ibdev_dir)} is missing or a dangling symlink")
     pci_link = os.path.join(ibdev_dir, "device")
     pci_dir = os.path.realpath(pci_link)
     if not os.path.isdir(pci_dir):
-        raise SysfsError(f"{pci_link} does not point at a PCI function")
-    pci_address = os.path.basename(pci_dir)
+        raise SysfsError(f"{text.from_fs(pci_link)} does not point at a PCI function")
+    pci_address = text.from_fs(os.path.basename(pci_dir))
     vendor = _hex_id(read_text(os.path.join(pci_dir, "vendor")))
     if not vendor:
-        raise SysfsError(f"{pci_dir}/vendor is missing or empty")
+        raise SysfsError(f"{text.from_fs(pci_dir)}/vendor is missing or empty")
     ports, problems = _read_ports(ibdev_dir)
     numa = _int_or_none(read_text(os.path.join(pci_dir, "numa_node")))
     if numa is not None and numa >= MAX_NUMA_NODES:  # the kernel's MAX_NUMNODES is at most 1 << 10
@@ -433,7 +442,7 @@ def read_port_states(sysfs_root: str, names: list[str]) -> dict[str, tuple[str, 
     """Cheap health probe: port states per NIC, None for a NIC that is gone."""
     result: dict[str, tuple[str, ...] | None] = {}
     for name in names:
-        ports_dir = os.path.join(sysfs_root, "class", "infiniband", name, "ports")
+        ports_dir = _path(sysfs_root, "class", "infiniband", name, "ports")
         entries = [e for e in _listdir(ports_dir) if e.isdigit()]
         if not entries:
             result[name] = None
@@ -460,7 +469,7 @@ class PortStateReader:
         self._shape: dict[str, int] = {}  # NIC -> number of ports
         self.failed = ""  # why opening failed (the caller re-lists); "" when every port opened
         for name in names:
-            ports_dir = os.path.join(sysfs_root, "class", "infiniband", name, "ports")
+            ports_dir = _path(sysfs_root, "class", "infiniband", name, "ports")
             entries = sorted((e for e in _listdir(ports_dir) if e.isdigit()), key=int)
             self._shape[name] = len(entries)
             for entry in entries:
@@ -468,7 +477,7 @@ class PortStateReader:
                 try:
                     self._fds.append((name, os.open(path, os.O_RDONLY | os.O_CLOEXEC)))
                 except OSError as exc:
-                    self.failed = f"cannot open {path}: {exc}"
+                    self.failed = f"cannot open {text.from_fs(path)}: {exc}"
 
     def read(self) -> dict[str, tuple[str, ...] | None] | None:
         """Port states per NIC (None for a NIC with no ports), or None when a read failed."""
@@ -477,9 +486,9 @@ class PortStateReader:
         states: dict[str, list[str]] = {name: [] for name in self._shape}
         for name, fd in self._fds:
             try:
-                state = _coded(os.pread(fd, 64, 0).decode("ascii", "replace").strip(), PORT_STATES)
+                state = _coded(text.decode(os.pread(fd, 64, 0)).strip(), PORT_STATES)
                 if state == "UNKNOWN":  # a torn read of a file rewritten in place: read once more
-                    state = _coded(os.pread(fd, 64, 0).decode("ascii", "replace").strip(), PORT_STATES)
+                    state = _coded(text.decode(os.pread(fd, 64, 0)).strip(), PORT_STATES)
             except OSError as exc:
                 self.failed = f"cannot read a port state of {name}: {exc}"
                 return None
