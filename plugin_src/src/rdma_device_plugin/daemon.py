@@ -1,9 +1,12 @@
 """Supervisor: discovery, health probing, serving every pool, and surviving kubelet restarts.
 
-Threads: the main thread watches sockets (kubelet restart, lost plugin socket) and
-(re)registers; one probe thread reads port states at the health interval and re-lists
-NICs when the set of RDMA devices changes or the rediscovery interval passes; gRPC
-worker threads answer the kubelet.
+Threads: one supervisor loop (the main thread) does everything periodic, each step supervised
+on its own: the health probe (port states at the health interval; a NIC re-list when the set of
+RDMA devices changes or the rediscovery interval passes), the socket watch (kubelet restart,
+lost plugin socket, ended streams, (re)registration), the config watch and the liveness file.
+Both the probe and the watch are a few stat/pread calls, so one wake-up serves both (an idle
+plugin wakes about 10 times a second, not 20, issue 16); a ListAndWatch stream that ends wakes
+the loop at once. The gRPC servers run on their own asyncio thread (server.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from .verbs import VerbsProbe, verbs_unusable_reason
 LOG = logging.getLogger(__name__)
 
 WATCH_SECONDS = 0.1  # socket watch period: a kubelet restart is noticed within this
+# The liveness file is rewritten when what it says changes and at least this often: well inside
+# the loops' max_age (10 s) that `healthcheck` allows, so a live plugin never looks stale.
+HEALTH_WRITE_SECONDS = 3.0
 
 
 class Discovery:
@@ -174,11 +180,11 @@ class Discovery:
         if states == self._states:
             return  # nothing changed: the common case at every fast probe
         self._states = states
-        self.hooks.port_states(states)
         for pool in self.pools:
             before = pool.health_state()
             pool.set_port_states(states)
             self._log_health(pool, before)
+        self.hooks.port_states(states)  # after the pools: the status file re-reads them on this hook
 
     @staticmethod
     def _log_health(pool: ResourcePool, before: dict[str, NicHealth]) -> None:
@@ -251,8 +257,10 @@ class Supervisor:
         self._register_backoff = {s.pool.name: Backoff() for s in self.servers}
         self._serve_backoff = {s.pool.name: Backoff() for s in self.servers}
         self._unregistered_since: dict[str, float] = {s.pool.name: time.time() for s in self.servers}
-        self.heartbeats: dict[str, float] = {}  # loop name -> wall time it last completed
+        self.heartbeats: dict[str, float] = {}  # loop step name -> wall time it last completed
         self._health_written = 0.0
+        self._health_said: object = None  # what the liveness file last said besides timestamps
+        self._wake = threading.Event()  # a stream ended: run the socket watch now
         self.once = LogOnce(LOG)
         self.hooks.supervising(self.live_status)
 
@@ -265,12 +273,25 @@ class Supervisor:
 
     # ------------------------------------------------------------------ threads
 
-    def _probe_loop(self) -> None:
+    def _loop(self) -> None:
+        """The supervisor loop: every step supervised and time-stamped on its own ("probe", "watch":
+        the loop labels of the metrics, the alert and the liveness file), one wake-up for all."""
         interval = self.config.health.interval_seconds
-        while not self.stop_event.wait(interval):
-            self._supervised("health probe", self.discovery.probe)
-            self._supervised("config watch", self._watch_config)
-            self.heartbeats["probe"] = time.time()
+        period = min(interval, WATCH_SECONDS)
+        next_probe = time.monotonic()
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            if now >= next_probe:
+                next_probe = now + interval
+                self._supervised("health probe", self.discovery.probe)
+                self.heartbeats["probe"] = time.time()  # a pass completed (a failed step is logged)
+            self._supervised("config watch", self._watch_config)  # one stat: rides along
+            if self._supervised("socket watch", self._tick):
+                self.heartbeats["watch"] = time.time()
+            self._supervised("health file", self._write_health)
+            wait = max(0.0, min(period, next_probe - time.monotonic()))
+            if self._wake.wait(wait):
+                self._wake.clear()
 
     def _supervised(self, what: str, step: Callable[[], None]) -> bool:
         """Run one step of a loop; an exception is logged once (with its context) and the loop goes on."""
@@ -360,6 +381,7 @@ class Supervisor:
         """Called on the gRPC loop when a ListAndWatch stream ends while we are serving."""
         with self._ended_lock:
             self._ended.add(resource)
+        self._wake.set()
 
     def _unregister(self, name: str) -> None:
         if name in self._registered:
@@ -471,7 +493,10 @@ class Supervisor:
         self._unregistered_since.pop(name, None)
 
     def _write_health(self) -> None:
-        if not self.health_file or time.time() - self._health_written < 1.0:
+        if not self.health_file:
+            return
+        said = (sorted(self._registered), sorted(self._stood_down), sorted(self._unregistered_since.items()))
+        if said == self._health_said and time.time() - self._health_written < HEALTH_WRITE_SECONDS:
             return
         probe_max = max(10.0, 5 * self.config.health.interval_seconds)
         doc = {
@@ -487,6 +512,7 @@ class Supervisor:
         }
         write_health(self.health_file, doc)
         self._health_written = time.time()
+        self._health_said = said
 
     def run(self) -> None:
         nics = self.discovery.full()
@@ -508,22 +534,14 @@ class Supervisor:
         if self.config.non_host_network.enabled:
             self.check_non_host_network()
         self.heartbeats["probe"] = self.heartbeats["watch"] = time.time()
-        probe = threading.Thread(target=self._probe_loop, name="health-probe", daemon=True)
-        probe.start()
         try:
-            while not self.stop_event.is_set():
-                if self._supervised("socket watch", self._tick):
-                    self.heartbeats["watch"] = time.time()
-                if probe.is_alive():
-                    self._supervised("health file", self._write_health)
-                self.stop_event.wait(WATCH_SECONDS)
+            self._loop()
         finally:
             for pool in self.pools:
                 pool.close()
             self.discovery.close()
             for server in self.servers:
                 self._supervised("stop", server.stop)
-            probe.join(timeout=2)
             if self.health_file:
                 remove_health(self.health_file)
             LOG.info("stopped")
