@@ -12,6 +12,7 @@ the loop at once. The gRPC servers run on their own asyncio thread (server.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -177,7 +178,7 @@ class Discovery:
         return self._ports.read()
 
     def _apply_states(self, states: dict[str, tuple[str, ...] | None]) -> None:
-        if states == self._states:
+        if states is self._states or states == self._states:
             return  # nothing changed: the common case at every fast probe
         self._states = states
         for pool in self.pools:
@@ -203,7 +204,7 @@ class Discovery:
                 LOG.info("RDMA devices changed on the node", extra={"before": self._names, "after": names})
             self.full()
             return
-        states = self.port_states([n for n in names if n not in self._unreadable])
+        states = self.port_states([n for n in names if n not in self._unreadable] if self._unreadable else names)
         if states is None:
             failed = self._ports.failed if self._ports is not None else ""
             LOG.info("a port state read failed; re-listing the NICs", extra={"error": failed})
@@ -259,8 +260,13 @@ class Supervisor:
         self._unregistered_since: dict[str, float] = {s.pool.name: time.time() for s in self.servers}
         self.heartbeats: dict[str, float] = {}  # loop step name -> wall time it last completed
         self._health_written = 0.0
-        self._health_said: object = None  # what the liveness file last said besides timestamps
-        self._wake = threading.Event()  # a stream ended: run the socket watch now
+        self._changes = 0  # bumped when registration state changes: the liveness file says so at once
+        self._health_said = -1
+        # Held while the loop runs; released by a stream end to wake the loop at once. A bare lock:
+        # the loop's wait is one C call (Event.wait costs a Condition and a fresh lock per wait).
+        self._wake = threading.Lock()
+        self._wake.acquire()
+        self._kubelet_sock = os.path.join(device_plugin_dir, KUBELET_SOCKET)
         self.once = LogOnce(LOG)
         self.hooks.supervising(self.live_status)
 
@@ -289,9 +295,12 @@ class Supervisor:
             if self._supervised("socket watch", self._tick):
                 self.heartbeats["watch"] = time.time()
             self._supervised("health file", self._write_health)
-            wait = max(0.0, min(period, next_probe - time.monotonic()))
-            if self._wake.wait(wait):
-                self._wake.clear()
+            self._wake.acquire(timeout=max(0.0, min(period, next_probe - time.monotonic())))
+
+    def wake(self) -> None:
+        """Run the loop's next pass now (a stream ended, or a stop)."""
+        with contextlib.suppress(RuntimeError):  # already released: a wake-up is pending
+            self._wake.release()
 
     def _supervised(self, what: str, step: Callable[[], None]) -> bool:
         """Run one step of a loop; an exception is logged once (with its context) and the loop goes on."""
@@ -301,7 +310,8 @@ class Supervisor:
             self.once.problem(what, "%s failed (%s: %s); retrying", what, type(exc).__name__, exc, level=logging.ERROR)
             LOG.debug("%s failed", what, exc_info=True)
             return False
-        self.once.cleared(what, f"{what} works again")
+        if what in self.once.pending:  # the common case builds no message
+            self.once.cleared(what, f"{what} works again")
         return True
 
     # ------------------------------------------------------------------ config changes (applied on restart)
@@ -372,7 +382,7 @@ class Supervisor:
 
     def _kubelet_identity(self) -> tuple[int, int] | None:
         try:
-            st = os.stat(os.path.join(self.dir, KUBELET_SOCKET))
+            st = os.stat(self._kubelet_sock)
             return (st.st_ino, st.st_ctime_ns)
         except OSError:
             return None
@@ -381,12 +391,13 @@ class Supervisor:
         """Called on the gRPC loop when a ListAndWatch stream ends while we are serving."""
         with self._ended_lock:
             self._ended.add(resource)
-        self._wake.set()
+        self.wake()
 
     def _unregister(self, name: str) -> None:
         if name in self._registered:
             self._registered.discard(name)
             self._unregistered_since[name] = time.time()
+            self._changes += 1
 
     def _tick(self) -> None:
         """One pass of the main loop: react to every kubelet and socket event, then (re)register."""
@@ -404,8 +415,10 @@ class Supervisor:
             for server in self.servers:
                 self._unregister(server.pool.name)
                 self._register_backoff[server.pool.name].now_please()
-        with self._ended_lock:
-            ended, self._ended = self._ended, set()
+        ended: set[str] = set()
+        if self._ended:  # read without the lock: the common case, nothing ended
+            with self._ended_lock:
+                ended, self._ended = self._ended, set()
         for name in sorted(ended):
             self.hooks.stream_ended(name)
             if name in self._registered:
@@ -437,6 +450,7 @@ class Supervisor:
             )
             server.stop()
             self._stood_down.add(name)
+            self._changes += 1
             self._unregister(name)
             return
         if state == "missing":
@@ -448,6 +462,7 @@ class Supervisor:
                 return  # the other instance still serves it
             LOG.info("the other instance's socket is gone; serving %s again", name, extra={"resource": name})
             self._stood_down.discard(name)
+            self._changes += 1
         backoff = self._serve_backoff[name]
         if not backoff.due(now):
             return
@@ -491,13 +506,14 @@ class Supervisor:
         backoff.succeeded()
         self._registered.add(name)
         self._unregistered_since.pop(name, None)
+        self._changes += 1
 
     def _write_health(self) -> None:
         if not self.health_file:
             return
-        said = (sorted(self._registered), sorted(self._stood_down), sorted(self._unregistered_since.items()))
-        if said == self._health_said and time.time() - self._health_written < HEALTH_WRITE_SECONDS:
+        if self._changes == self._health_said and time.time() - self._health_written < HEALTH_WRITE_SECONDS:
             return
+        said = self._changes
         probe_max = max(10.0, 5 * self.config.health.interval_seconds)
         doc = {
             "pid": os.getpid(),
@@ -591,6 +607,7 @@ def serve(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         LOG.info("signal received, stopping", extra={"signal": signal.Signals(signum).name})
         supervisor.stop_event.set()
+        supervisor.wake()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -62,6 +62,11 @@ class LogOnce:
         self._last[key] = text
         self.logger.log(level, text, extra=extra)
 
+    @property
+    def pending(self) -> dict[str, str]:
+        """The conditions logged and not cleared yet (key -> message)."""
+        return self._last
+
     def cleared(self, key: str, message: str | None = None, extra: dict[str, object] | None = None) -> None:
         if self._last.pop(key, None) is not None and message:
             self.logger.info(message, extra=extra)
