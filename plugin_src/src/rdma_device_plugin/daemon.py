@@ -178,8 +178,11 @@ class Discovery:
         return self._ports.read()
 
     def _apply_states(self, states: dict[str, tuple[str, ...] | None]) -> None:
-        if states is self._states or states == self._states:
-            return  # nothing changed: the common case at every fast probe
+        if states is self._states:
+            return  # nothing changed: the common case at every fast probe (the reader's same dict)
+        if states == self._states:
+            self._states = states  # the reader's dict from now on: the identity test above holds
+            return
         self._states = states
         for pool in self.pools:
             before = pool.health_state()
@@ -513,7 +516,8 @@ class Supervisor:
             return
         if self._changes == self._health_said and time.time() - self._health_written < HEALTH_WRITE_SECONDS:
             return
-        said = self._changes
+        # Stamped before writing: a failing write is retried at the same pace, not at every pass.
+        self._health_written, self._health_said = time.time(), self._changes
         probe_max = max(10.0, 5 * self.config.health.interval_seconds)
         doc = {
             "pid": os.getpid(),
@@ -527,8 +531,6 @@ class Supervisor:
             "unregistered_since": {n: t for n, t in self._unregistered_since.items() if n not in self._stood_down},
         }
         write_health(self.health_file, doc)
-        self._health_written = time.time()
-        self._health_said = said
 
     def run(self) -> None:
         nics = self.discovery.full()
