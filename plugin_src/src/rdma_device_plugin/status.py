@@ -11,9 +11,9 @@ allocations. ``rdma-device-plugin status`` prints it (:func:`render`).
 
 The hooks fire on the supervisor and gRPC threads once the pools applied a change, so the file
 is written by a small thread that re-reads the pools after each hook (a slow disk never delays
-them). It sleeps until a hook fires (a kubelet restart, which empties the directory, fires one):
-idle, it wakes only every ``IDLE_RECHECK_SECONDS`` to put back a file someone deleted, and every
-``interval`` after a failed write (the directory not there yet, or read-only) until one succeeds.
+them). It sleeps until a hook fires: idle, it wakes only every ``IDLE_RECHECK_SECONDS`` to put
+back a file someone deleted, and every ``interval`` after a failed write (the directory not
+there yet, or read-only) until one succeeds.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class StatusFileHooks(Hooks):
 
     def kubelet_restarted(self) -> None:
         self.inner.kubelet_restarted()
-        self._wake.set()  # the kubelet emptied the directory's files (removeContents): write again
+        self._wake.set()  # the kubelet emptied its dir (removeContents): make sure the file is still there
 
     def rediscovered(self) -> None:
         self.inner.rediscovered()
