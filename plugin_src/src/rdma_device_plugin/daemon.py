@@ -5,8 +5,8 @@ on its own: the health probe (port states at the health interval; a NIC re-list 
 RDMA devices changes or the rediscovery interval passes), the socket watch (kubelet restart,
 lost plugin socket, ended streams, (re)registration), the config watch and the liveness file.
 Both the probe and the watch are a few stat/pread calls, so one wake-up serves both (an idle
-plugin wakes about 10 times a second, not 20, issue 16); a ListAndWatch stream that ends wakes
-the loop at once. The gRPC servers run on their own asyncio thread (server.py).
+plugin wakes about 10 times a second, not 20, issue 16). The gRPC servers run on their own
+asyncio thread (server.py).
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ class Supervisor:
         self._health_written = 0.0
         self._changes = 0  # bumped when registration state changes: the liveness file says so at once
         self._health_said = -1
-        # Held while the loop runs; released by a stream end to wake the loop at once. A bare lock:
+        # Held while the loop runs; released by a stop to end the wait at once. A bare lock:
         # the loop's wait is one C call (Event.wait costs a Condition and a fresh lock per wait).
         self._wake = threading.Lock()
         self._wake.acquire()
@@ -301,7 +301,7 @@ class Supervisor:
             self._wake.acquire(timeout=max(0.0, min(period, next_probe - time.monotonic())))
 
     def wake(self) -> None:
-        """Run the loop's next pass now (a stream ended, or a stop)."""
+        """Run the loop's next pass now (a stop)."""
         with contextlib.suppress(RuntimeError):  # already released: a wake-up is pending
             self._wake.release()
 
@@ -392,9 +392,11 @@ class Supervisor:
 
     def _stream_ended(self, resource: str) -> None:
         """Called on the gRPC loop when a ListAndWatch stream ends while we are serving."""
+        # No wake-up here: a kubelet restart ends the stream before it re-creates kubelet.sock, and
+        # a pass run at the stream end would put the next one a full period after the new socket
+        # (the re-registration itself waits for backoff anyway).
         with self._ended_lock:
             self._ended.add(resource)
-        self.wake()
 
     def _unregister(self, name: str) -> None:
         if name in self._registered:
