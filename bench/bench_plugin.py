@@ -309,6 +309,19 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
+def thread_wakeups(pid: int) -> dict[int, int]:
+    """Thread id -> times it was scheduled in (``/proc/<pid>/task/<tid>/schedstat``, third field):
+    an idle thread's wake-ups, which cost more than their work on a loaded node (issue 15)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as fh:
+                out[int(tid)] = int(fh.read().split()[2])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 def bench_idle(out: list[str], samples: Samples, quick: bool) -> None:
     """The default config (probe every health.intervalSeconds, 0.1 s), stream open: CPU per 10 s slice."""
     window, slice_s = (10.0, 5.0) if quick else (60.0, 10.0)
@@ -317,31 +330,38 @@ def bench_idle(out: list[str], samples: Samples, quick: bool) -> None:
         time.sleep(2.0)  # settle after start-up
         load = os.getloadavg()[0]
         cpu0, rss0, threads0 = cpu_seconds(rig.pid), rss_kib(rig.pid), thread_cpu(rig.pid)
+        wake0 = thread_wakeups(rig.pid)
         slices = []
         for _ in range(int(window / slice_s)):
             a = cpu_seconds(rig.pid)
             time.sleep(slice_s)
             slices.append(100 * (cpu_seconds(rig.pid) - a) / slice_s)
         cpu1, rss1, threads1 = cpu_seconds(rig.pid), rss_kib(rig.pid), thread_cpu(rig.pid)
+        wake1 = thread_wakeups(rig.pid)
         threads = len(threads1)
     used = cpu1 - cpu0
     busy = sorted((threads1[t] - threads0.get(t, 0.0) for t in threads1), reverse=True)
+    wakes = sorted(((wake1[t] - wake0.get(t, 0)) / window for t in wake1), reverse=True)
     probes = window / interval
     out += [
         f"### Idle cost (4 bonded NICs, default config: shared, probe every {interval} s, stream open, "
         f"{window:.0f} s window; load average {load:.2f} at start)",
         "",
         "| CPU seconds | CPU % of one core | % per slice: min / median / max | busiest threads (% each) "
-        "| CPU per probe (ms) | VmRSS start (MiB) | VmRSS end (MiB) | threads |",
-        "|---|---|---|---|---|---|---|---|",
+        "| wake-ups/s: all threads (busiest three) | CPU per probe (ms) | VmRSS start (MiB) | VmRSS end (MiB) "
+        "| threads |",
+        "|---|---|---|---|---|---|---|---|---|",
         f"| {used:.2f} | {100 * used / window:.3f} | {min(slices):.2f} / {statistics.median(slices):.2f} / "
         f"{max(slices):.2f} ({len(slices)} x {slice_s:.0f} s) | "
         + ", ".join(f"{100 * b / window:.2f}" for b in busy[:3])
-        + f" | {1000 * used / probes:.3f} | {rss0 / 1024:.1f} | {rss1 / 1024:.1f} | {threads} |",
+        + f" | {sum(wakes):.1f} ("
+        + ", ".join(f"{w:.1f}" for w in wakes[:3])
+        + f") | {1000 * used / probes:.3f} | {rss0 / 1024:.1f} | {rss1 / 1024:.1f} | {threads} |",
         "",
-        "CPU per probe charges all idle CPU (probe thread, socket watch loop at 10 Hz, the health "
-        "file written once a second, the open stream's wake-ups) to the probes, so it is an upper bound. "
-        "The busiest threads are the probe loop and the socket-watch loop (both wake 10 times a second). "
+        "CPU per probe charges all idle CPU (the supervisor loop's probe, socket watch and config watch at "
+        "10 Hz, the health file written every 3 s, periodic re-lists, gRPC's own threads) to the probes, "
+        "so it is an upper bound. The busiest thread is the supervisor loop (10 wake-ups a second); the "
+        "others are gRPC core's timer and event-engine threads. "
         "/proc tick resolution is "
         f"{1000 / os.sysconf('SC_CLK_TCK'):.0f} ms.",
         "",

@@ -165,6 +165,25 @@ def test_healthcheck_passes_while_serving_and_fails_when_stale(  # type: ignore[
     assert missing.returncode == 1 and "cannot read the health file" in missing.stderr
 
 
+def test_liveness_file_says_a_registration_change_at_once(node: fixtures.FixtureNode, short_tmp: Path) -> None:
+    """The liveness file is rewritten every few seconds when nothing changes (issue 15: fewer
+    wake-ups), but a registration change is written at the next pass, not at the next period."""
+    from rdma_device_plugin.config import PluginConfig
+    from rdma_device_plugin.daemon import Supervisor
+
+    dp = short_tmp / "dp-live"
+    dp.mkdir()
+    health = short_tmp / "live.json"
+    sup = Supervisor(PluginConfig(), node.sysfs, node.dev, str(dp), health_file=str(health))
+    sup._registered.add(RES)
+    sup._write_health()
+    assert json.loads(health.read_text(encoding="utf-8"))["registered"] == [RES]
+    sup._unregister(RES)  # e.g. the kubelet ended the stream
+    sup._write_health()
+    doc = json.loads(health.read_text(encoding="utf-8"))
+    assert doc["registered"] == [] and RES in doc["unregistered_since"]
+
+
 # --------------------------------------------------------------------------- node events
 
 

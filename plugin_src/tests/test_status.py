@@ -125,3 +125,30 @@ def test_status_hooks_forward_every_hook_to_the_wrapped_one(tmp_path: Path) -> N
     finally:
         hooks.stop()
     assert sorted(calls) == sorted(names)
+
+
+def test_port_state_hook_fires_once_the_pools_applied_the_change(node: fixtures.FixtureNode) -> None:
+    """The status-file writer sleeps until a hook fires and then re-reads the pools (no periodic
+    rewrite): a hook fired before the pools apply a change would leave a stale allocatable there."""
+    from rdma_device_plugin.config import PluginConfig
+    from rdma_device_plugin.daemon import Discovery
+    from rdma_device_plugin.resources import build_pools
+    from rdma_device_plugin.server import Hooks
+
+    pools = build_pools(PluginConfig())
+    seen: list[set[str]] = []
+
+    class Seen(Hooks):
+        def port_states(self, states: Any) -> None:
+            seen.append({d.health for d in pools[0].snapshot()[1]})
+
+    discovery = Discovery(PluginConfig(), pools, node.sysfs, node.dev, hooks=Seen())
+    try:
+        discovery.full()
+        node.set_port_state("mlx5_bond_1", "DOWN")
+        discovery.probe()
+        node.set_port_state("mlx5_bond_1", "ACTIVE")
+        discovery.probe()
+    finally:
+        discovery.close()
+    assert seen == [{"Healthy"}, {"Unhealthy"}, {"Healthy"}]

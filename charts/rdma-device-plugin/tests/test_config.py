@@ -36,7 +36,7 @@ def test_defaults_match_ack() -> None:
     cfg = _configs({})["shared"]
     assert [(r.name, r.shared_devices, r.selectors.vendors) for r in cfg.resources] == [("rdma/hca", 1000, ["15b3"])]
     assert cfg.health.policy == "all" and cfg.health.interval_seconds == 0.1
-    assert cfg.rediscovery_interval_seconds == 5
+    assert cfg.rediscovery_interval_seconds == 60
     assert not cfg.char_devices.umad and not cfg.char_devices.issm
 
 

@@ -98,7 +98,7 @@ class _StateCollector(Collector):
         yield streams
         loops = GaugeMetricFamily(
             "rdma_dp_loop_last_success_timestamp_seconds",
-            "Unix time a supervised loop last completed a pass (probe: health probe, watch: kubelet socket watch)",
+            "Unix time a step of the supervisor loop last completed (probe: health probe, watch: kubelet socket watch)",
             labels=["loop"],
         )
         for name, last in sorted(status.loops.items()):

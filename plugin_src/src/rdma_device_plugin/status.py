@@ -9,8 +9,11 @@ mode, each resource's capacity and allocatable (devices, healthy devices: what t
 reports), each NIC with port states, netdevs, NUMA node, health and why, and the last
 allocations. ``rdma-device-plugin status`` prints it (:func:`render`).
 
-The hooks fire just before the pools apply a change, so the file is written by a small thread
-that re-reads the pools after each hook and once a second, not from inside the hook.
+The hooks fire on the supervisor and gRPC threads once the pools applied a change, so the file
+is written by a small thread that re-reads the pools after each hook (a slow disk never delays
+them). It sleeps until a hook fires: idle, it wakes only every ``IDLE_RECHECK_SECONDS`` to put
+back a file someone deleted, and every ``interval`` after a failed write (the directory not
+there yet, or read-only) until one succeeds.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .server import Hooks, LiveStatus
 
 STATUS_FILE = os.path.join("rdma-device-plugin", "status.json")
 LAST_ALLOCATIONS = 10
+IDLE_RECHECK_SECONDS = 30.0
 
 
 def default_status_file(device_plugin_dir: str) -> str:
@@ -112,6 +116,7 @@ class StatusFileHooks(Hooks):
 
     def kubelet_restarted(self) -> None:
         self.inner.kubelet_restarted()
+        self._wake.set()  # the kubelet emptied its dir (removeContents): make sure the file is still there
 
     def rediscovered(self) -> None:
         self.inner.rediscovered()
@@ -157,12 +162,16 @@ class StatusFileHooks(Hooks):
         self._written = doc
 
     def _run(self) -> None:
+        timeout = self.interval
         while not self._stop.is_set():
-            self._wake.wait(self.interval)
+            self._wake.wait(timeout)
             self._wake.clear()
-            # The directory may not exist yet or be read-only; the next round tries again.
-            with contextlib.suppress(OSError):
+            try:
                 self.write_now()
+            except OSError:
+                timeout = self.interval  # the directory may not exist yet or be read-only: retry soon
+            else:
+                timeout = IDLE_RECHECK_SECONDS
 
     def stop(self) -> None:
         self._stop.set()

@@ -62,6 +62,11 @@ class LogOnce:
         self._last[key] = text
         self.logger.log(level, text, extra=extra)
 
+    @property
+    def pending(self) -> dict[str, str]:
+        """The conditions logged and not cleared yet (key -> message)."""
+        return self._last
+
     def cleared(self, key: str, message: str | None = None, extra: dict[str, object] | None = None) -> None:
         if self._last.pop(key, None) is not None and message:
             self.logger.info(message, extra=extra)
@@ -74,7 +79,7 @@ UNREGISTERED_GRACE_SECONDS = 120.0  # a kubelet restart re-registers in seconds;
 def write_health(path: str, doc: dict[str, object]) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh)
+        fh.write(json.dumps(doc))  # one write: json.dump writes every token through the text layer
     os.replace(tmp, path)
 
 

@@ -468,6 +468,8 @@ class PortStateReader:
         self._fds: list[tuple[str, int]] = []  # (NIC, fd) in NIC then port order
         self._shape: dict[str, int] = {}  # NIC -> number of ports
         self.failed = ""  # why opening failed (the caller re-lists); "" when every port opened
+        self._raw: list[bytes] = []  # the bytes behind ``_states``
+        self._states: dict[str, tuple[str, ...] | None] | None = None
         for name in names:
             ports_dir = _path(sysfs_root, "class", "infiniband", name, "ports")
             entries = sorted((e for e in _listdir(ports_dir) if e.isdigit()), key=int)
@@ -480,20 +482,34 @@ class PortStateReader:
                     self.failed = f"cannot open {text.from_fs(path)}: {exc}"
 
     def read(self) -> dict[str, tuple[str, ...] | None] | None:
-        """Port states per NIC (None for a NIC with no ports), or None when a read failed."""
+        """Port states per NIC (None for a NIC with no ports), or None when a read failed.
+
+        The very same dict as last time when no attribute's bytes changed: the idle probe then
+        costs one ``pread`` per port and one comparison (issue 15), no parsing."""
         if self.failed:
             return None
-        states: dict[str, list[str]] = {name: [] for name in self._shape}
+        raw = []
         for name, fd in self._fds:
             try:
-                state = _coded(text.decode(os.pread(fd, 64, 0)).strip(), PORT_STATES)
-                if state == "UNKNOWN":  # a torn read of a file rewritten in place: read once more
-                    state = _coded(text.decode(os.pread(fd, 64, 0)).strip(), PORT_STATES)
+                raw.append(os.pread(fd, 64, 0))
             except OSError as exc:
                 self.failed = f"cannot read a port state of {name}: {exc}"
                 return None
+        if raw == self._raw and self._states is not None:
+            return self._states
+        states: dict[str, list[str]] = {name: [] for name in self._shape}
+        for (name, fd), data in zip(self._fds, raw, strict=True):
+            state = _coded(text.decode(data).strip(), PORT_STATES)
+            if state == "UNKNOWN":  # a torn read of a file rewritten in place: read once more
+                try:
+                    state = _coded(text.decode(os.pread(fd, 64, 0)).strip(), PORT_STATES)
+                except OSError as exc:
+                    self.failed = f"cannot read a port state of {name}: {exc}"
+                    return None
             states[name].append(state)
-        return {name: tuple(found) if found else None for name, found in states.items()}
+        self._raw = raw
+        self._states = {name: tuple(found) if found else None for name, found in states.items()}
+        return self._states
 
     def close(self) -> None:
         fds, self._fds = self._fds, []
