@@ -172,6 +172,9 @@ class StatusFileHooks(Hooks):
                 timeout = self.interval  # the directory may not exist yet or be read-only: retry soon
             else:
                 timeout = IDLE_RECHECK_SECONDS
+                # At most one write per interval: a burst of hooks (an Allocate storm) becomes one
+                # write, and the writer does not take the GIL from the gRPC loop at every call.
+                self._stop.wait(self.interval)
 
     def stop(self) -> None:
         self._stop.set()
