@@ -118,7 +118,12 @@ def plot(samples: Mapping[str, Mapping[str, Sequence[float]]], path: str, title:
         left.set_xlabel("ms (box: p25-p75, line: p50, whiskers: p1-p99)")
         left.set_title("RPC latency by mode, concurrent callers and RPC")
         left.grid(axis="x", which="both", alpha=0.3)
-    recovery = samples.get("Recovery", {})
+    recovery = {  # "Recovery, <setup>" sections: one curve per setup and figure
+        f"{section.removeprefix('Recovery, ')}: {name}": values
+        for section, figures in samples.items()
+        if section.startswith("Recovery")
+        for name, values in figures.items()
+    }
     for name, values in recovery.items():
         xs = sorted(v * 1000 for v in values)
         right.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=f"{name} (n={len(xs)})")

@@ -88,12 +88,13 @@ def start_plugin(short_tmp: Path, node: fixtures.FixtureNode, dp_dir: Path) -> I
         config: dict[str, object] | None = None,
         extra: list[str] | None = None,
         fixture: fixtures.FixtureNode | None = None,
+        prefix: list[str] | None = None,
     ) -> PluginProcess:
         cfg = None
         if config is not None:
             cfg = short_tmp / f"config{len(procs)}.yaml"
             cfg.write_text(yaml.safe_dump(config), encoding="utf-8")
-        cmd = serve_command(fixture or node, dp_dir, cfg, "--log-level", "debug", *(extra or []))
+        cmd = (prefix or []) + serve_command(fixture or node, dp_dir, cfg, "--log-level", "debug", *(extra or []))
         log = short_tmp / f"plugin{len(procs)}.log"
         fh = open(log, "w", encoding="utf-8")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(

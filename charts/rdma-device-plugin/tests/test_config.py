@@ -60,3 +60,19 @@ def test_extra_resources_and_selectors_reach_the_plugin() -> None:
 def test_cdi_kind_reaches_the_plugin() -> None:
     cfg = _configs(CASES["cdi"])["exclusive"]
     assert cfg.cdi.enabled and cfg.cdi.kind == "example.com/rdma"
+
+
+def test_link_event_health_values_reach_the_plugin_and_hostnetwork_gives_them_netdevs() -> None:
+    """health.linkEvents* pass through to the plugin; hostNetwork puts the plugin in the node's
+    network namespace (where it sees the netdevs' link events) without enabling nonHostNetwork."""
+    values = {"hostNetwork": True, "health": {"linkEvents": False, "linkEventsIntervalSeconds": 5}}
+    cfg = _configs(values)["shared"]
+    assert cfg.health.link_events is False and cfg.health.link_events_interval_seconds == 5
+    assert cfg.non_host_network.enabled is False
+    objs = manifests(values)
+    for mode in ("shared", "exclusive"):
+        pod = one(objs, "DaemonSet", f"-{mode}")["spec"]["template"]["spec"]
+        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    default = one(manifests({}), "DaemonSet", "-shared")["spec"]["template"]["spec"]
+    assert "hostNetwork" not in default
+    assert _configs({})["shared"].health.link_events is True

@@ -160,7 +160,25 @@ class ResourceConfig(_Strict):
 
 class HealthConfig(_Strict):
     interval_seconds: float = Field(
-        0.1, alias="intervalSeconds", gt=0, le=60, description="How often port states are probed."
+        0.1,
+        alias="intervalSeconds",
+        gt=0,
+        le=60,
+        description="How often port states are probed while link events do not cover every selected port.",
+    )
+    link_events: bool = Field(
+        True,
+        alias="linkEvents",
+        description="Re-read port states at once on a link notification (rtnetlink) for a selected NIC's netdev; "
+        "seen only where the netdevs are in the plugin's network namespace (hostNetwork).",
+    )
+    link_events_interval_seconds: float = Field(
+        1.0,
+        alias="linkEventsIntervalSeconds",
+        gt=0,
+        le=60,
+        description="How often port states are still polled while link events cover every selected port "
+        "(a lost notification is caught within this).",
     )
     policy: Literal["all", "any"] = Field(
         "all", description="Shared pool is Healthy when all (default) or any of its NICs have every port ACTIVE."

@@ -4,9 +4,9 @@ Threads: one supervisor loop (the main thread) does everything periodic, each st
 on its own: the health probe (port states at the health interval; a NIC re-list when the set of
 RDMA devices changes or the rediscovery interval passes), the socket watch (kubelet restart,
 lost plugin socket, ended streams, (re)registration), the config watch and the liveness file.
-Both the probe and the watch are a few stat/pread calls, so one wake-up serves both (an idle
-plugin wakes about 10 times a second, not 20, issue 15). The gRPC servers run on their own
-asyncio thread (server.py).
+It sleeps on kernel notifications (events.py: inotify on the device-plugin dir and the config
+dir, rtnetlink link events where the NICs' netdevs are visible) rather than polling what they
+cover (issue 15). The gRPC servers run on their own asyncio thread (server.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -24,7 +25,7 @@ from types import FrameType
 
 import grpc
 
-from . import cdi, netchecks, nfd
+from . import cdi, events, netchecks, nfd
 from .config import ConfigError, PluginConfig, load_config, socket_name, socket_path_problems
 from .node import sysfs
 from .resources import NicHealth, ResourcePool, build_pools
@@ -34,7 +35,10 @@ from .verbs import VerbsProbe, verbs_unusable_reason
 
 LOG = logging.getLogger(__name__)
 
-WATCH_SECONDS = 0.1  # socket watch period: a kubelet restart is noticed within this
+WATCH_SECONDS = 0.1  # socket watch period when the device-plugin dir cannot be watched (inotify)
+SLOW_SECONDS = 1.0  # socket watch and config file without a notification, liveness file, lost watches
+COALESCE_SECONDS = 0.02
+FOLLOW_UP_SECONDS = 2.0  # after a link event, probe fast: a driver may update the port state later
 # The liveness file is rewritten when what it says changes and at least this often: well inside
 # the loops' max_age (10 s) that `healthcheck` allows, so a live plugin never looks stale.
 HEALTH_WRITE_SECONDS = 3.0
@@ -69,6 +73,8 @@ class Discovery:
         self._ports: sysfs.PortStateReader | None = None  # fast probe: open port-state files (issue 15)
         self._states: dict[str, tuple[str, ...] | None] | None = None  # last states applied
         self.features: nfd.FeatureFile | None = None  # --nfd-features-file (issue 15)
+        self.coverage = events.LinkCoverage(frozenset(), ())  # set by every re-list
+        self.relists = 0
 
     def _skipped(self, name: str, reason: str) -> None:
         """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
@@ -112,6 +118,7 @@ class Discovery:
         # (and force a full re-list) at every probe.
         self._names = names
         self._last_full = time.monotonic()
+        self.relists += 1
         owners = self.owners(nics) if self.config.mode == "exclusive" else {}
         for name, res in sorted(owners.items()):
             if len(res) > 1:
@@ -138,6 +145,10 @@ class Discovery:
         self.hooks.nics_found(nics)
         if self.features is not None:
             self.features.update([n for pool in self.pools for n in pool.present_nics()])
+        self.coverage = events.link_coverage(
+            [n for pool in self.pools for n in pool.present_nics()],
+            lambda netdev: sysfs.netdev_ifindex(self.sysfs_root, netdev),
+        )
         self._open_ports([n for n in names if n not in self._unreadable])
         if self.verbs is not None and self.verbs.available():
             self._states = None  # set_nics applied sysfs states: pyverbs' must be applied again
@@ -199,14 +210,22 @@ class Discovery:
         for line in pool.health_changes(before):
             LOG.info("health changed: %s", line, extra={"resource": pool.name})
 
-    def probe(self) -> None:
+    def check_devices(self) -> bool:
+        """Re-list the NICs when the set of RDMA devices changed (hot-plug, removal), one is still
+        incomplete, or the rediscovery interval passed; True when it re-listed."""
         names = sysfs.list_rdma_devices(self.sysfs_root)
         due = time.monotonic() - self._last_full >= self.config.rediscovery_interval_seconds
         if names != self._names or due or self._incomplete:
             if names != self._names:
                 LOG.info("RDMA devices changed on the node", extra={"before": self._names, "after": names})
             self.full()
-            return
+            return True
+        return False
+
+    def probe(self) -> None:
+        """Port states only, one pread per port: the frequent step. A removed NIC fails its reads
+        and is re-listed at once; an added one waits for :meth:`check_devices` (once a second)."""
+        names = self._names
         states = self.port_states([n for n in names if n not in self._unreadable] if self._unreadable else names)
         if states is None:
             failed = self._ports.failed if self._ports is not None else ""
@@ -265,10 +284,18 @@ class Supervisor:
         self._health_written = 0.0
         self._changes = 0  # bumped when registration state changes: the liveness file says so at once
         self._health_said = -1
-        # Held while the loop runs; released by a stop to end the wait at once. A bare lock:
-        # the loop's wait is one C call (Event.wait costs a Condition and a fresh lock per wait).
-        self._wake = threading.Lock()
-        self._wake.acquire()
+        # The loop sleeps in select(): a write to this pipe ends the sleep (stop, stream end).
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._dir_watch: events.DirWatch | None = None
+        self._config_watch: events.DirWatch | None = None  # the config file's directory
+        self._links: events.LinkEvents | None = None
+        self._links_failed = False
+        self._kubelet_present = False
+        self._watched_at = 0.0
+        self._poller = select.poll()
+        self._poller.register(self._wake_r, select.POLLIN)
+        self._sources: dict[int, events.DirWatch | events.LinkEvents] = {}
+        self._coverage_said: tuple[bool, events.LinkCoverage] | None = None
         self._kubelet_sock = os.path.join(device_plugin_dir, KUBELET_SOCKET)
         self.once = LogOnce(LOG)
         self.hooks.supervising(self.live_status)
@@ -284,26 +311,172 @@ class Supervisor:
 
     def _loop(self) -> None:
         """The supervisor loop: every step supervised and time-stamped on its own ("probe", "watch":
-        the loop labels of the metrics, the alert and the liveness file), one wake-up for all."""
-        interval = self.config.health.interval_seconds
-        period = min(interval, WATCH_SECONDS)
-        next_probe = time.monotonic()
+        the loop labels of the metrics, the alert and the liveness file).
+
+        It sleeps in one ``select`` on the wake pipe and the kernel's notifications, and wakes for:
+        a port-state probe (every ``health.intervalSeconds``, or ``linkEventsIntervalSeconds`` while
+        link events cover every selected port), a link event (probe at once, then fast for a while),
+        a change in the device-plugin dir (kubelet restart, lost socket), a stream end or a stop,
+        a change of the config file, a registration retry that is due, and once a second for the
+        rest (sockets and config in case a notification was lost, liveness file, lost watches).
+        An idle plugin on a node whose netdevs it sees wakes about once a second; without them, at
+        the probe interval (issue 15).
+        """
+        fast = self.config.health.interval_seconds
+        relaxed = self.config.health.link_events_interval_seconds
+        now = time.monotonic()
+        next_probe = next_slow = now
+        follow_until = 0.0  # after a link event, probe at the fast interval until then
+        watch_due = True
         while not self.stop_event.is_set():
             now = time.monotonic()
-            if now >= next_probe:
-                next_probe = now + interval
-                self._supervised("health probe", self.discovery.probe)
+            soon = now + COALESCE_SECONDS  # what falls due this soon runs now: one wake-up, not two
+            if soon >= next_slow:
+                next_slow = now + SLOW_SECONDS
+                self._supervised("event sources", self._keep_watching)
+                self._supervised("health probe", self._check_devices)
+                self._supervised("config watch", self._watch_config)
+                watch_due = True
+            if soon >= next_probe:
+                covered = self._links is not None and self.discovery.coverage.complete
+                next_probe = now + (relaxed if covered and now >= follow_until else fast)
+                self._supervised("health probe", self._probe)
                 self.heartbeats["probe"] = time.time()  # a pass completed (a failed step is logged)
-            self._supervised("config watch", self._watch_config)  # one stat: rides along
-            if self._supervised("socket watch", self._tick):
-                self.heartbeats["watch"] = time.time()
-            self._supervised("health file", self._write_health)
-            self._wake.acquire(timeout=max(0.0, min(period, next_probe - time.monotonic())))
+            watch_at = self._next_watch()
+            if watch_due or soon >= watch_at:
+                watch_due = False
+                self._watched_at = now
+                if self._supervised("socket watch", self._tick):
+                    self.heartbeats["watch"] = time.time()
+                self._supervised("health file", self._write_health)
+                watch_at = self._next_watch()
+            # A retry the pass could not act on (its due time passed) must not make this a busy loop.
+            timeout = min(next_probe, next_slow, max(watch_at, now + WATCH_SECONDS)) - time.monotonic()
+            for ready in self._wait(timeout):
+                if ready is self._dir_watch:
+                    watch_due = True
+                elif ready is self._config_watch:
+                    self._supervised("config watch", self._watch_config)
+                elif ready is self._links:
+                    follow_until = time.monotonic() + FOLLOW_UP_SECONDS
+                    next_probe = 0.0
+                else:
+                    watch_due = True  # a stream ended (or a stop): look at the sockets now
+
+    def _watching(self, source: events.DirWatch | events.LinkEvents, on: bool) -> None:
+        """(Un)register a notification source with the loop's poll set."""
+        if on:
+            self._poller.register(source.fileno(), select.POLLIN)
+            self._sources[source.fileno()] = source
+        else:
+            self._poller.unregister(source.fileno())
+            del self._sources[source.fileno()]
+            source.close()
+
+    def _wait(self, timeout: float) -> list[object]:
+        """Sleep until a notification or ``timeout``; which sources had something (drained).
+        One ``poll`` on descriptors registered once: the cheapest sleep, it runs 10 times a second."""
+        out: list[object] = []
+        for fd, _mask in self._poller.poll(max(0, int(timeout * 1000 + 0.999))):
+            source = self._sources.get(fd)
+            if source is None:  # the wake pipe
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+                out.append(fd)
+            elif isinstance(source, events.LinkEvents):
+                if source.drain(self.discovery.coverage.netdevs):
+                    out.append(source)
+            elif source.drain():
+                out.append(source)
+        return out
+
+    def _next_watch(self) -> float:
+        """When the socket watch must run next without a notification: at the polling period when
+        the device-plugin dir cannot be watched, else when a retry (serve, register) is due."""
+        if self._dir_watch is None:
+            return self._watched_at + WATCH_SECONDS
+        due = float("inf")
+        for server in self.servers:
+            name = server.pool.name
+            if name in self._stood_down:
+                continue
+            if not server.serving:
+                due = min(due, self._serve_backoff[name].next_at)
+            elif name not in self._registered and self._kubelet_present:
+                due = min(due, self._register_backoff[name].next_at)
+        return due
+
+    def _probe(self) -> None:
+        relists = self.discovery.relists
+        self.discovery.probe()
+        if self.discovery.relists != relists:  # a read failed: NICs re-listed
+            self._say_coverage()
+
+    def _check_devices(self) -> None:
+        """Hot-plug, a NIC still incomplete, the rediscovery timer; and say when coverage changed."""
+        if self.discovery.check_devices():
+            self._say_coverage()
+
+    def _say_coverage(self) -> None:
+        """One line when how port changes are noticed changes (events vs polling)."""
+        now = (self._links is not None, self.discovery.coverage)
+        if now == self._coverage_said:
+            return
+        self._coverage_said = now
+        health = self.config.health
+        if now[0] and now[1].complete:
+            LOG.info(
+                "port states: re-read at once on link events of %s; polled every %g s besides",
+                ",".join(sorted(now[1].netdevs)),
+                health.link_events_interval_seconds,
+            )
+        else:
+            why = "; ".join(now[1].uncovered) if now[0] else "linkEvents off or unavailable"
+            LOG.info("port states: polled every %g s (%s)", health.interval_seconds, why or "no NIC selected")
+
+    def _keep_watching(self) -> None:
+        """Open the notifications that are missing: at start, and after a watched dir went away."""
+        if self._dir_watch is not None and not self._dir_watch.alive:
+            self._watching(self._dir_watch, False)
+            self._dir_watch = None
+            LOG.info("the device-plugin dir watch ended (dir removed?); polling it until it can be watched again")
+        if self._dir_watch is None:
+            try:
+                self._dir_watch = events.DirWatch(
+                    self.dir, names=[KUBELET_SOCKET, *(os.path.basename(s.path) for s in self.servers)]
+                )
+            except OSError as exc:
+                self.once.problem(
+                    "dir watch", "cannot watch %s (%s); polling it every %g s", self.dir, exc, WATCH_SECONDS
+                )
+            else:
+                self._watching(self._dir_watch, True)
+                self.once.cleared("dir watch", f"watching {self.dir} for kubelet restarts")
+        if self._config_watch is not None and not self._config_watch.alive:
+            self._watching(self._config_watch, False)
+            self._config_watch = None
+        if self.config_path and self._config_watch is None:
+            path = os.path.abspath(self.config_path)
+            # A ConfigMap volume swaps the "..data" symlink the file points through.
+            with contextlib.suppress(OSError):  # unwatchable: the once-a-second stat still sees a change
+                self._config_watch = events.DirWatch(
+                    os.path.dirname(path), events.FILE_EVENTS, [os.path.basename(path), "..data"]
+                )
+                self._watching(self._config_watch, True)
+        if self._links is None and self.config.health.link_events and not self._links_failed:
+            try:
+                self._links = events.LinkEvents()
+            except OSError as exc:
+                self._links_failed = True  # no netlink here (seccomp, old kernel): polling it is, for good
+                LOG.warning("cannot listen to link events (%s); port states are polled", exc)
+            else:
+                self._watching(self._links, True)
+            self._say_coverage()
 
     def wake(self) -> None:
-        """Run the loop's next pass now (a stop)."""
-        with contextlib.suppress(RuntimeError):  # already released: a wake-up is pending
-            self._wake.release()
+        """Run the loop's next pass now (a stop, a stream end); safe from any thread and signal handler."""
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"!")
 
     def _supervised(self, what: str, step: Callable[[], None]) -> bool:
         """Run one step of a loop; an exception is logged once (with its context) and the loop goes on."""
@@ -392,11 +565,9 @@ class Supervisor:
 
     def _stream_ended(self, resource: str) -> None:
         """Called on the gRPC loop when a ListAndWatch stream ends while we are serving."""
-        # No wake-up here: a kubelet restart ends the stream before it re-creates kubelet.sock, and
-        # a pass run at the stream end would put the next one a full period after the new socket
-        # (the re-registration itself waits for backoff anyway).
         with self._ended_lock:
             self._ended.add(resource)
+        self.wake()  # the loop may sleep for a second: the re-registration must not wait for it
 
     def _unregister(self, name: str) -> None:
         if name in self._registered:
@@ -408,6 +579,7 @@ class Supervisor:
         """One pass of the main loop: react to every kubelet and socket event, then (re)register."""
         now = time.monotonic()
         kubelet = self._kubelet_identity()
+        self._kubelet_present = kubelet is not None  # registration retries wait for it (dir watch)
         if kubelet is None:
             self.once.problem("kubelet", "kubelet.sock is missing in %s: waiting for the kubelet", self.dir)
         else:
@@ -560,8 +732,12 @@ class Supervisor:
             for pool in self.pools:
                 pool.close()
             self.discovery.close()
+            for source in list(self._sources.values()):
+                self._watching(source, False)
             for server in self.servers:
                 self._supervised("stop", server.stop)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
             if self.health_file:
                 remove_health(self.health_file)
             LOG.info("stopped")

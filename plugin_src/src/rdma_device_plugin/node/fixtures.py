@@ -331,6 +331,14 @@ class FixtureNode:
         """Unbind: the RDMA device and its char devices vanish; the PCI function stays."""
         link = os.path.join(self.sysfs, "class", "infiniband", name)
         ib = os.path.realpath(link)
+        # The kernel deactivates the device's kernfs nodes: a descriptor kept open on a port's
+        # state then fails its reads (ENODEV). A plain file cannot fail a read; emptied, it reads
+        # b"", which PortStateReader takes the same way (sysfs never serves an empty state).
+        ports = os.path.join(ib, "ports")
+        for entry in os.listdir(ports) if os.path.isdir(ports) else []:
+            state = os.path.join(ports, entry, "state")
+            if os.path.isfile(state):
+                os.truncate(state, 0)
         os.unlink(link)
         shutil.rmtree(ib, ignore_errors=True)
         for klass in ("infiniband_verbs", "infiniband_mad"):

@@ -9,6 +9,7 @@ symlinks included.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -361,6 +362,12 @@ def _netdevs(sysfs_root: str, pci_dir: str, ports: list[Port]) -> tuple[str, ...
 # --------------------------------------------------------------------------- NICs
 
 
+def netdev_ifindex(sysfs_root: str, name: str) -> int | None:
+    """``/sys/class/net/<name>/ifindex``: with the index in the current netns it tells whether the
+    sysfs tree and this process share a network namespace (link events then cover the netdev)."""
+    return _int_or_none(read_text(_path(sysfs_root, "class", "net", name, "ifindex")))
+
+
 def list_rdma_devices(sysfs_root: str = "/sys") -> list[str]:
     return _listdir(os.path.join(sysfs_root, "class", "infiniband"))
 
@@ -491,10 +498,15 @@ class PortStateReader:
         raw = []
         for name, fd in self._fds:
             try:
-                raw.append(os.pread(fd, 64, 0))
+                data = os.pread(fd, 64, 0)
+                if not data:  # never from a live attribute; a fixture's removed NIC (see remove_nic)
+                    data = os.pread(fd, 64, 0)  # or a file caught mid-rewrite: once more
+                    if not data:
+                        raise OSError(errno.ENODEV, "the attribute reads empty")
             except OSError as exc:
                 self.failed = f"cannot read a port state of {name}: {exc}"
                 return None
+            raw.append(data)
         if raw == self._raw and self._states is not None:
             return self._states
         states: dict[str, list[str]] = {name: [] for name in self._shape}
