@@ -216,7 +216,11 @@ def test_device_plugin_dir_removed_then_recreated(  # type: ignore[no-untyped-de
     try:
         assert sim.wait_registered(RES), plugin.output()
         sim.stop()
-        shutil.rmtree(dp_dir)
+        # Gone in one step, as the plugin sees it (it serves a deleted socket again at once, so an
+        # rmtree in place would race with it: ENOTEMPTY)
+        gone = dp_dir.with_name(dp_dir.name + ".gone")
+        os.rename(dp_dir, gone)
+        shutil.rmtree(gone)
         time.sleep(1.5)
         assert plugin.proc.poll() is None
         sim = KubeletSimulator(str(dp_dir)).start()  # the kubelet re-creates it

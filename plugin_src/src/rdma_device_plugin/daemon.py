@@ -222,6 +222,15 @@ class Discovery:
             return True
         return False
 
+    def unchanged(self) -> bool:
+        """The idle fast probe: True when every port reads as last applied (one pread per port,
+        no parsing). False for anything else (a change, a failed read, pyverbs, unreadable NICs):
+        :meth:`probe` then does the full work, reading the same values again."""
+        ports = self._ports
+        if ports is None or self._unreadable or (self.verbs is not None and self.verbs.available()):
+            return False
+        return ports.read() is self._states
+
     def probe(self) -> None:
         """Port states only, one pread per port: the frequent step. A removed NIC fails its reads
         and is re-listed at once; an added one waits for :meth:`check_devices` (once a second)."""
@@ -337,9 +346,10 @@ class Supervisor:
                 self._supervised("health probe", self._check_devices)
                 self._supervised("config watch", self._watch_config)
                 watch_due = True
+            covered = self._links is not None and self.discovery.coverage.complete
+            period = relaxed if covered and now >= follow_until else fast
             if soon >= next_probe:
-                covered = self._links is not None and self.discovery.coverage.complete
-                next_probe = now + (relaxed if covered and now >= follow_until else fast)
+                next_probe = now + period
                 self._supervised("health probe", self._probe)
                 self.heartbeats["probe"] = time.time()  # a pass completed (a failed step is logged)
             watch_at = self._next_watch()
@@ -351,8 +361,16 @@ class Supervisor:
                 self._supervised("health file", self._write_health)
                 watch_at = self._next_watch()
             # A retry the pass could not act on (its due time passed) must not make this a busy loop.
-            timeout = min(next_probe, next_slow, max(watch_at, now + WATCH_SECONDS)) - time.monotonic()
-            for ready in self._wait(timeout):
+            other = min(next_slow, max(watch_at, now + WATCH_SECONDS))
+            woke = self._wait(min(next_probe, other) - time.monotonic())
+            # The idle fast path: while only probes fall due, sleep and re-read the port states with
+            # as little Python as possible: in a pod network this runs 10 times a second (issue 15).
+            # Anything else (a change, a failed read, a notification) goes back to the full pass.
+            while not woke and next_probe + period < other - COALESCE_SECONDS and self.discovery.unchanged():
+                next_probe = time.monotonic() + period
+                self.heartbeats["probe"] = time.time()
+                woke = self._wait(next_probe - time.monotonic())
+            for ready in woke:
                 if ready is self._dir_watch:
                     watch_due = True
                 elif ready is self._config_watch:
