@@ -135,26 +135,38 @@ def dist_row(name: str, values: Sequence[float]) -> str:
 # --------------------------------------------------------------------------- RPC latency
 
 
-def measure_rpc(rig: Rig, method: str, request: Callable[[], Any], concurrency: int, total_calls: int) -> list[float]:
+def measure_rpcs(
+    rig: Rig, rpcs: Sequence[tuple[str, Callable[[], Any]]], concurrency: int, total_calls: int
+) -> dict[str, list[float]]:
+    """``total_calls`` of each RPC from ``concurrency`` callers (one channel each), interleaved.
+
+    Every caller alternates the RPCs call by call, so a change of load on the shared machine
+    during the run (other jobs, the plugin's own periodic work) hits every RPC alike: the
+    ratio to the no-op RPC compares calls made at the same moments, not two back-to-back
+    phases (those moved the 1-caller ratio by +-0.3 at load 5).
+    """
     per_thread = max(1, total_calls // concurrency)
-    latencies: list[float] = []
+    latencies: dict[str, list[float]] = {name: [] for name, _ in rpcs}
     lock = threading.Lock()
     barrier = threading.Barrier(concurrency)
 
     def worker() -> None:
         with rig.channel() as ch:
-            call = getattr(pb_grpc.DevicePluginStub(ch), method)
-            req = request()
+            stub = pb_grpc.DevicePluginStub(ch)
+            calls = [(name, getattr(stub, name), request()) for name, request in rpcs]
             for _ in range(3):  # connect and warm up
-                call(req, timeout=60)
+                for _, call, req in calls:
+                    call(req, timeout=60)
             barrier.wait()
-            mine = []
+            mine: dict[str, list[float]] = {name: [] for name, _ in rpcs}
             for _ in range(per_thread):
-                t = time.perf_counter()
-                call(req, timeout=60)
-                mine.append(time.perf_counter() - t)
+                for name, call, req in calls:
+                    t = time.perf_counter()
+                    call(req, timeout=60)
+                    mine[name].append(time.perf_counter() - t)
         with lock:
-            latencies.extend(mine)
+            for name, values in mine.items():
+                latencies[name].extend(values)
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
@@ -162,6 +174,21 @@ def measure_rpc(rig: Rig, method: str, request: Callable[[], Any], concurrency: 
     for t in threads:
         t.join()
     return latencies
+
+
+def latency_rows(
+    out: list[str], samples: Samples, label: str, concurrency: int, lat: dict[str, list[float]], noop: str
+) -> None:
+    """One table row per RPC, the no-op first, each with its ratio to the no-op's p50 and p99."""
+    base = lat[noop]
+    b50, b99 = pct(base, 50), pct(base, 99)
+    for name, values in lat.items():
+        p50, p99 = pct(values, 50), pct(values, 99)
+        shown = f"{name} (no-op)" if name == noop else name
+        out.append(
+            f"| {concurrency} | {shown} | {len(values)} | {ms(p50)} | {ms(p99)} | {p50 / b50:.2f} | {p99 / b99:.2f} |"
+        )
+        samples.setdefault("RPC latency", {})[f"{label} x{concurrency}: {'no-op' if name == noop else name}"] = values
 
 
 def bench_latency(out: list[str], samples: Samples, quick: bool) -> None:
@@ -189,20 +216,10 @@ def bench_latency(out: list[str], samples: Samples, quick: bool) -> None:
             "| callers | RPC | calls | p50 | p99 | p50 / no-op p50 | p99 / no-op p99 |",
             "|---|---|---|---|---|---|---|",
         ]
+        rpcs = [("GetDevicePluginOptions", noop), ("Allocate", allocate), ("GetPreferredAllocation", preferred)]
         for concurrency in (1, 8, 64):
-            base = measure_rpc(rig, "GetDevicePluginOptions", noop, concurrency, total)
-            b50, b99 = pct(base, 50), pct(base, 99)
-            noop_name = "GetDevicePluginOptions (no-op)"
-            out.append(f"| {concurrency} | {noop_name} | {len(base)} | {ms(b50)} | {ms(b99)} | 1.00 | 1.00 |")
-            samples.setdefault("RPC latency", {})[f"exclusive x{concurrency}: no-op"] = base
-            for name, req in (("Allocate", allocate), ("GetPreferredAllocation", preferred)):
-                lat = measure_rpc(rig, name, req, concurrency, total)
-                samples["RPC latency"][f"exclusive x{concurrency}: {name}"] = lat
-                p50, p99 = pct(lat, 50), pct(lat, 99)
-                out.append(
-                    f"| {concurrency} | {name} | {len(lat)} | {ms(p50)} | {ms(p99)} "
-                    f"| {p50 / b50:.2f} | {p99 / b99:.2f} |"
-                )
+            lat = measure_rpcs(rig, rpcs, concurrency, total)
+            latency_rows(out, samples, "exclusive", concurrency, lat, "GetDevicePluginOptions")
         out.append("")
 
 
@@ -226,16 +243,8 @@ def bench_shared_latency(out: list[str], samples: Samples, quick: bool) -> None:
             "|---|---|---|---|---|---|---|",
         ]
         for concurrency in (1, 8):
-            base = measure_rpc(rig, "GetDevicePluginOptions", noop, concurrency, total)
-            lat = measure_rpc(rig, "Allocate", allocate, concurrency, total)
-            samples.setdefault("RPC latency", {})[f"shared x{concurrency}: no-op"] = base
-            samples["RPC latency"][f"shared x{concurrency}: Allocate"] = lat
-            b50, b99, p50, p99 = pct(base, 50), pct(base, 99), pct(lat, 50), pct(lat, 99)
-            noop_name = "GetDevicePluginOptions (no-op)"
-            out.append(f"| {concurrency} | {noop_name} | {len(base)} | {ms(b50)} | {ms(b99)} | 1.00 | 1.00 |")
-            out.append(
-                f"| {concurrency} | Allocate | {len(lat)} | {ms(p50)} | {ms(p99)} | {p50 / b50:.2f} | {p99 / b99:.2f} |"
-            )
+            lat = measure_rpcs(rig, [("GetDevicePluginOptions", noop), ("Allocate", allocate)], concurrency, total)
+            latency_rows(out, samples, "shared", concurrency, lat, "GetDevicePluginOptions")
         out.append("")
 
 
