@@ -153,9 +153,14 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         # mode: one for every pod), so the whole AllocateResponse is built once per combination
         # and reused: keyed by the allocations' identities, which are kept alive in the entry so
         # an id is never reused while it is a key. Read-only once built (grpc only serializes it).
+        # Emptied when the pool drops its allocations, so answers of replaced NIC sets are not kept.
         self._responses: dict[tuple[int, ...], tuple[tuple[ContainerAllocation, ...], Any]] = {}
+        self._responses_version = pool.allocations_version
 
     def _response(self, allocs: tuple[ContainerAllocation, ...]) -> Any:
+        if self._responses_version != self.pool.allocations_version:
+            self._responses.clear()
+            self._responses_version = self.pool.allocations_version
         key = tuple(map(id, allocs))
         entry = self._responses.get(key)
         if entry is not None and all(a is b for a, b in zip(entry[0], allocs, strict=True)):
