@@ -218,6 +218,24 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def leave_out_openssl(metrics: bool) -> None:
+    """Keep Python's OpenSSL bindings out of ``serve``, which never uses them (issue 11, memory).
+
+    Must run before pydantic and grpc are imported; ``None`` in ``sys.modules`` makes an import
+    raise ImportError, which both modules below handle as "not available":
+    - ``_hashlib``: pydantic.types imports secrets -> hmac -> hashlib, and hmac/hashlib load
+      libcrypto through ``_hashlib`` (about 3.6 MiB of RSS) for one constant-time compare used
+      only by pydantic's Secret types. Without it they use CPython's built-in hashes and
+      ``_operator._compare_digest``.
+    - ``ssl``: asyncio (which grpc imports) imports it for TLS transports this process never
+      uses (unix sockets; grpc's TLS lives in its C core): about 1.2 MiB. prometheus_client
+      needs it, hence only without metrics.
+    """
+    sys.modules.setdefault("_hashlib", None)  # type: ignore[arg-type]
+    if not metrics:
+        sys.modules.setdefault("ssl", None)  # type: ignore[arg-type]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -226,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "healthcheck":  # cheap: the liveness probe runs it every few seconds
         return _healthcheck(args)
+    if args.command == "serve":
+        leave_out_openssl(metrics=bool(args.metrics_address))
     from .config import ConfigError, config_json_schema
 
     if args.command == "config-schema":
@@ -241,11 +261,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _discover(args)
         if args.command == "fixture":
             return _fixture(args)
-        if not args.metrics_address:
-            # asyncio (which grpc imports) imports ssl for TLS transports this process never
-            # uses (unix sockets; grpc's TLS lives in its C core): about 1.2 MiB of RSS. asyncio
-            # handles ssl being unavailable. prometheus_client needs it, hence only without metrics.
-            sys.modules.setdefault("ssl", None)  # type: ignore[arg-type]
         from .daemon import serve
 
         return serve(args)

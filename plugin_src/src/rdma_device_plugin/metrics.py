@@ -140,12 +140,19 @@ class MetricsHooks(Hooks):
             registry=self.registry,
         )
         self.registry.register(_StateCollector(self))
+        # (resource, ok) -> its counter and histogram children: labels() takes a lock and builds
+        # a key at each call, and allocated() runs on the gRPC loop at every Allocate.
+        self._allocate_children: dict[tuple[str, bool], tuple[Any, Any]] = {}
 
     # ------------------------------------------------------------------ Hooks
 
     def allocated(self, resource: str, seconds: float, ok: bool) -> None:
-        self.allocations.labels(resource, "ok" if ok else "error").inc()
-        self.latency.labels(resource).observe(seconds)
+        children = self._allocate_children.get((resource, ok))
+        if children is None:
+            children = (self.allocations.labels(resource, "ok" if ok else "error"), self.latency.labels(resource))
+            self._allocate_children[(resource, ok)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def registered(self, resource: str) -> None:
         self.registrations.labels(resource).inc()

@@ -102,6 +102,9 @@ class ResourcePool:
         self._shared_allocation: ContainerAllocation | None = None  # shared mode: the same for every pod
         # exclusive mode: one answer per requested ID list, derived once per NIC change
         self._exclusive_allocations: dict[tuple[str, ...], ContainerAllocation] = {}
+        # Bumped whenever those cached allocations are dropped (the NICs changed): whoever caches
+        # something built from them (the gRPC answers) drops it too.
+        self.allocations_version = 0
         self._closed = False
         self._listeners: list[Callable[[], None]] = []  # called (under the lock) when devices change
         short = self.name.split("/", 1)[1]
@@ -119,9 +122,11 @@ class ResourcePool:
         now = time.monotonic() if now is None else now
         selected = {nic_identity(n): n for n in self.selectors.select(nics)}
         with self._lock:
+            if selected != self._nics:  # a re-list that finds the same NICs keeps the answers
+                self._shared_allocation = None  # names or char devices changed
+                self._exclusive_allocations.clear()
+                self.allocations_version += 1
             self._nics = selected
-            self._shared_allocation = None  # char devices may have changed
-            self._exclusive_allocations.clear()
             for key, nic in selected.items():
                 old = self._seen.get(key)
                 if old is not None and old.name != nic.name:

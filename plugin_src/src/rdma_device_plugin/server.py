@@ -149,18 +149,33 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         self.on_stream_end = on_stream_end
         self.stopping = False
         self.streams = 0  # open ListAndWatch streams
-        # The pool hands out the same ContainerAllocation until its NICs change: build its
-        # protobuf answer once (keyed by identity; the allocation itself is kept alive here).
-        self._messages: dict[int, tuple[ContainerAllocation, Any]] = {}
+        # The pool hands out the same ContainerAllocation objects until its NICs change (shared
+        # mode: one for every pod), so the whole AllocateResponse is built once per combination
+        # and reused: keyed by the allocations' identities, which are kept alive in the entry so
+        # an id is never reused while it is a key. Read-only once built (grpc only serializes it).
+        # Emptied when the pool drops its allocations, so answers of replaced NIC sets are not kept.
+        self._responses: dict[tuple[int, ...], tuple[tuple[ContainerAllocation, ...], Any]] = {}
+        self._responses_version = pool.allocations_version
 
-    def _message(self, alloc: ContainerAllocation) -> Any:
-        entry = self._messages.get(id(alloc))
-        if entry is None or entry[0] is not alloc:
-            if len(self._messages) >= 4096:
-                self._messages.clear()
-            entry = (alloc, allocation_message(alloc))
-            self._messages[id(alloc)] = entry
-        return entry[1]
+    def _response(self, allocs: tuple[ContainerAllocation, ...]) -> Any:
+        if self._responses_version != self.pool.allocations_version:
+            self._responses.clear()
+            self._responses_version = self.pool.allocations_version
+        key = tuple(map(id, allocs))
+        entry = self._responses.get(key)
+        if entry is not None and all(a is b for a, b in zip(entry[0], allocs, strict=True)):
+            return entry[1]
+        if len(self._responses) >= 4096:  # bounded: a node has a handful of NICs
+            self._responses.clear()
+        response = pb.AllocateResponse(container_responses=[allocation_message(a) for a in allocs])
+        self._responses[key] = (allocs, response)
+        # Once per new answer, not per call (the kubelet logs every allocation itself; a log line
+        # per call cost more than building the answer, issue 11): what this resource hands out now.
+        LOG.info(
+            "Allocate answer",
+            extra={"resource": self.pool.name, "nics": ";".join(",".join(a.nics) for a in allocs)},
+        )
+        return response
 
     async def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
         return pb.DevicePluginOptions(
@@ -197,19 +212,16 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
 
     async def Allocate(self, request: Any, context: Any) -> Any:
         start = time.perf_counter()
-        response = pb.AllocateResponse()
         try:
-            for creq in request.container_requests:
-                alloc = self.pool.allocate(list(creq.devices_ids))
-                response.container_responses.append(self._message(alloc))
-                LOG.info(
-                    "allocated",
-                    extra={"resource": self.pool.name, "ids": len(creq.devices_ids), "nics": ",".join(alloc.nics)},
-                )
+            allocs = tuple(self.pool.allocate(list(creq.devices_ids)) for creq in request.container_requests)
         except AllocationError as exc:
             self.hooks.allocated(self.pool.name, time.perf_counter() - start, False)
             LOG.warning("Allocate refused: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        response = self._response(allocs)
+        if LOG.isEnabledFor(logging.DEBUG):  # per call: only at --log-level debug
+            nics = ";".join(",".join(a.nics) for a in allocs)
+            LOG.debug("allocated", extra={"resource": self.pool.name, "containers": len(allocs), "nics": nics})
         self.hooks.allocated(self.pool.name, time.perf_counter() - start, True)
         return response
 

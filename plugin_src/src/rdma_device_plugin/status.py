@@ -37,6 +37,10 @@ LAST_ALLOCATIONS = 10
 IDLE_RECHECK_SECONDS = 30.0
 
 
+def _utc(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+
+
 def default_status_file(device_plugin_dir: str) -> str:
     return os.path.join(device_plugin_dir, STATUS_FILE)
 
@@ -94,7 +98,8 @@ class StatusFileHooks(Hooks):
         self.interval = interval
         self.pools: Sequence[ResourcePool] = ()
         self.states: dict[str, tuple[str, ...] | None] = {}
-        self.allocations: deque[dict[str, Any]] = deque(maxlen=LAST_ALLOCATIONS)
+        # (unix time, resource, ok, seconds): the Allocate hook only appends; the writer formats.
+        self.allocations: deque[tuple[float, str, bool, float]] = deque(maxlen=LAST_ALLOCATIONS)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -104,11 +109,11 @@ class StatusFileHooks(Hooks):
 
     # ----------------------------------------------------------------- Hooks
     def allocated(self, resource: str, seconds: float, ok: bool) -> None:
+        # On the gRPC loop at every Allocate: keep it to an append (deque.appendleft is atomic).
         self.inner.allocated(resource, seconds, ok)
-        at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        with self._lock:
-            self.allocations.appendleft({"time": at, "resource": resource, "ok": ok, "ms": round(seconds * 1000, 3)})
-        self._wake.set()
+        self.allocations.appendleft((time.time(), resource, ok, seconds))
+        if not self._wake.is_set():
+            self._wake.set()
 
     def registered(self, resource: str) -> None:
         self.inner.registered(resource)
@@ -146,7 +151,12 @@ class StatusFileHooks(Hooks):
     # ----------------------------------------------------------------- writer
     def write_now(self) -> None:
         with self._lock:
-            doc = snapshot(self.pools, dict(self.states), list(self.allocations))
+            states = dict(self.states)
+        allocations = [
+            {"time": _utc(at), "resource": resource, "ok": ok, "ms": round(seconds * 1000, 3)}
+            for at, resource, ok, seconds in list(self.allocations)  # one C-level copy: atomic under the GIL
+        ]
+        doc = snapshot(self.pools, states, allocations)
         if doc == self._written and os.path.exists(self.path):
             return
         directory = os.path.dirname(self.path) or "."
@@ -154,7 +164,7 @@ class StatusFileHooks(Hooks):
         fd, tmp = tempfile.mkstemp(prefix=".status-", suffix=".tmp", dir=directory)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(dict(doc, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())), fh, indent=2)
+                json.dump(dict(doc, updated=_utc(time.time())), fh, indent=2)
             os.replace(tmp, self.path)  # readers never see a half-written file
         finally:
             with contextlib.suppress(FileNotFoundError):
