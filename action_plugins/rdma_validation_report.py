@@ -23,9 +23,10 @@ MODULE = "rdma_validation_report"
 
 
 def host_result(host_vars, fact, read):
-    """The host's fact; or, when its read registered no facts (module failure, unreachable), why."""
+    """The host's fact; or, when its read registered no facts (module failure, unreachable), why.
+    A skipped read is no read: the module lists the host as not validated."""
     got = host_vars.get(read) if read else None
-    if isinstance(got, dict) and "ansible_facts" not in got:
+    if isinstance(got, dict) and "ansible_facts" not in got and not got.get("skipped"):
         return {"validated": False, "errors": {"read": got.get("msg", "unreachable")}}
     return host_vars.get(fact)
 
