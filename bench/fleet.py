@@ -254,9 +254,9 @@ def table(figures: list[Figure]) -> str:
     ]
     ping = {f.hosts: f for f in figures if f.phase == "ping"}
     for f in figures:
-        ratio = f.per_host_s / ping[f.hosts].per_host_s if f.hosts in ping else float("nan")
+        ratio = f"{f.per_host_s / ping[f.hosts].per_host_s:.2f}" if f.hosts in ping else "-"
         lines.append(
-            f"| {f.hosts} | {f.phase} | {f.wall_s:.1f} | {f.per_host_s:.3f} | {ratio:.2f} | {f.cpu_s / f.hosts:.3f} "
+            f"| {f.hosts} | {f.phase} | {f.wall_s:.1f} | {f.per_host_s:.3f} | {ratio} | {f.cpu_s / f.hosts:.3f} "
             f"| {f.max_rss_mb:.0f} | {' '.join(f'{x:.2f}' for x in f.load)} |"
         )
     return "\n".join(lines)
