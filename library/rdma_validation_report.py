@@ -41,7 +41,7 @@ options:
     type: path
   fact:
     description:
-      - Controller side only (action_plugins/rdma_validation_report.py), instead of I(results):
+      - Controller side only (action_plugins/rdma_validation_report.py), instead of I(results),
         the name of the per-host fact holding each host's findings (C(rdma_validation)). The
         action takes it from every host's variables without a templated copy of them all and
         passes it on in I(results_file) (controller memory at thousands of hosts).
@@ -64,6 +64,15 @@ EXAMPLES = r"""
     dest: /tmp/report
     hosts: [node-a, node-b]
     results: {node-a: "{{ hostvars['node-a'].rdma_validation }}", node-b: null}
+
+- name: Write the fleet report from every host's fact, gathered on the controller (playbooks/validate.yml)
+  rdma_validation_report:
+    dest: "{{ rdma_validation_report_dir }}"
+    hosts: "{{ ansible_play_hosts_all }}"
+    fact: rdma_validation
+    read: rdma_node_read
+  delegate_to: localhost
+  run_once: true
 """
 
 RETURN = r"""
