@@ -49,7 +49,7 @@ lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
 	cd plugin_src && $(BIN)/mypy
 	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests
-	$(BIN)/ruff check --select F,E9 library filter_plugins callback_plugins  # modules run on nodes: pyflakes-level checks only
+	$(BIN)/ruff check --select F,E9 library filter_plugins callback_plugins action_plugins  # modules run on nodes: pyflakes-level checks only
 	$(BIN)/yamllint -s .
 	bash scripts/check-proto.sh
 	if [ -d roles ] && ls roles/*/tasks >/dev/null 2>&1; then $(BIN)/ansible-lint; fi
@@ -80,8 +80,10 @@ image: setup system-deps ## build the image with buildah and push it to a regist
 bench: setup ## benchmark figures with progress, load average, ratios to bench/RESULTS.md, plot in out/bench/
 	$(PY) bench/bench_plugin.py
 
-bench-fleet: setup ## Ansible at fleet scale: ping vs validate per host over N fixture hosts (bench/fleet.py)
-	$(PY) bench/fleet.py --hosts 120
+FLEET_HOSTS ?= 120
+FLEET_ARGS ?=
+bench-fleet: setup ## Ansible at fleet scale: ping/validate/deploy/verify per host over FLEET_HOSTS fixture hosts (bench/fleet.py); FLEET_ARGS=--write-results records them
+	$(PY) bench/fleet.py --hosts $(FLEET_HOSTS) $(FLEET_ARGS)
 
 proto: setup ## regenerate the gRPC code from api/deviceplugin.proto
 	bash scripts/check-proto.sh --write

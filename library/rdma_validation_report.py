@@ -30,9 +30,28 @@ options:
     elements: str
     required: true
   results:
-    description: Host -> its C(rdma_validation) fact (null when the host has none).
+    description:
+      - Host -> its C(rdma_validation) fact (null when the host has none).
+      - One of I(results), I(results_file) and I(fact) is required.
     type: dict
-    required: true
+  results_file:
+    description:
+      - A JSON file holding I(results) (what the action plugin passes on with I(fact)), removed
+        with the module's temporary directory.
+    type: path
+  fact:
+    description:
+      - Controller side only (action_plugins/rdma_validation_report.py), instead of I(results),
+        the name of the per-host fact holding each host's findings (C(rdma_validation)). The
+        action takes it from every host's variables without a templated copy of them all and
+        passes it on in I(results_file) (controller memory at thousands of hosts).
+    type: str
+  read:
+    description:
+      - With I(fact), the name of the registered node read (C(rdma_node_read)); a host whose read
+        returned no facts (module failure, unreachable) is listed as not validated with its
+        message.
+    type: str
   node_names:
     description: Host -> Kubernetes node name, when it differs from the inventory host name.
     type: dict
@@ -45,6 +64,15 @@ EXAMPLES = r"""
     dest: /tmp/report
     hosts: [node-a, node-b]
     results: {node-a: "{{ hostvars['node-a'].rdma_validation }}", node-b: null}
+
+- name: Write the fleet report from every host's fact, gathered on the controller (playbooks/validate.yml)
+  rdma_validation_report:
+    dest: "{{ rdma_validation_report_dir }}"
+    hosts: "{{ ansible_play_hosts_all }}"
+    fact: rdma_validation
+    read: rdma_node_read
+  delegate_to: localhost
+  run_once: true
 """
 
 RETURN = r"""
@@ -171,12 +199,18 @@ def main() -> None:
         argument_spec={
             "dest": {"type": "path", "required": True},
             "hosts": {"type": "list", "elements": "str", "required": True},
-            "results": {"type": "dict", "required": True},
+            "results": {"type": "dict"},
+            "results_file": {"type": "path"},
             "node_names": {"type": "dict", "default": {}},
         },
+        required_one_of=[("results", "results_file")],
+        mutually_exclusive=[("results", "results_file")],
         supports_check_mode=True,
     )
     p = module.params
+    if p["results_file"]:
+        with open(p["results_file"], encoding="utf-8") as fh:
+            p["results"] = json.load(fh)
     json_path = os.path.join(p["dest"], "rdma-validation.json")
     md_path = os.path.join(p["dest"], "rdma-validation.md")
     old_json = _read(json_path)
@@ -193,9 +227,18 @@ def main() -> None:
     differs = old_json != new_json or _read(md_path) != new_md
     paths = [json_path, md_path]
     summary = {k: report[k] for k in ("total", "passed", "failed", "not_validated")}
+    # Not the default echo of every host's results (module_utils/basic.py, _return_formatted):
+    # the controller would hold the whole fleet's findings a second time (memory at 5000 hosts).
+    invocation = {"module_args": {"dest": p["dest"], "hosts": len(p["hosts"]), "results": len(p["results"])}}
     if module.check_mode:
         would = "would rewrite" if differs else "would leave unchanged"
-        module.exit_json(changed=False, summary=summary, paths=paths, msg=f"check mode: {would} {json_path} and {md_path}")
+        module.exit_json(
+            changed=False,
+            summary=summary,
+            paths=paths,
+            msg=f"check mode: {would} {json_path} and {md_path}",
+            invocation=invocation,
+        )
     if differs:
         os.makedirs(p["dest"], exist_ok=True)
         for path, text in ((json_path, new_json), (md_path, new_md)):
@@ -204,7 +247,7 @@ def main() -> None:
                 fh.write(text)
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)  # atomic: a reader never sees half a report
-    module.exit_json(changed=differs, summary=summary, paths=paths)
+    module.exit_json(changed=differs, summary=summary, paths=paths, invocation=invocation)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ cp library/*.py "$stage/plugins/modules/"
 cp -rL module_utils/rdma_node "$stage/plugins/module_utils/rdma_node"
 find "$stage/plugins/module_utils" -name __pycache__ -prune -exec rm -rf {} +
 cp filter_plugins/*.py "$stage/plugins/filter/"
+mkdir -p "$stage/plugins/action" && cp action_plugins/*.py "$stage/plugins/action/"
 # Inside a collection, roles find their collection's modules by short name but not its Jinja
 # filters (ansible-core resolves those only by FQCN or from filter_plugins/ next to the play):
 # qualify this repository's filters in the staged roles and playbooks.
@@ -62,7 +63,7 @@ cat > "$scratch/site.yml" <<YML
           - rdma_validation.checks | selectattr('role', 'equalto', 'ipv6_compute_validate') | list | length > 0
           - rdma_node_read.node.nics | length == 4
 YML
-(cd "$scratch" && env -u ANSIBLE_ROLES_PATH -u ANSIBLE_LIBRARY -u ANSIBLE_MODULE_UTILS -u ANSIBLE_FILTER_PLUGINS \
+(cd "$scratch" && env -u ANSIBLE_ROLES_PATH -u ANSIBLE_LIBRARY -u ANSIBLE_MODULE_UTILS -u ANSIBLE_FILTER_PLUGINS -u ANSIBLE_ACTION_PLUGINS \
   ANSIBLE_CONFIG="$scratch/ansible.cfg" ansible-playbook -i localhost, -c local \
   -e ansible_python_interpreter="$root/.venv/bin/python" site.yml)
 echo "collection: installed from $tarball and used by FQCN outside the repository"

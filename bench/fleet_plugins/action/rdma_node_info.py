@@ -1,0 +1,48 @@
+"""Bench stand-in for the rdma_node_info module (bench/fleet.py --fake-facts): controller memory at 5000 hosts.
+
+Per distinct set of module arguments (one per fixture node) the real module runs once, on the
+first host that asks; its result is kept in a file and every later host with the same
+arguments gets that result with its own ``record_host`` (the only per-host argument) put back.
+So each host's task result is exactly what rdma_node_info returned for its fixture node,
+without a module process per host; the templating of the task's arguments, the result
+processing on the controller (register, facts) and every other task of the play stay real.
+Enabled only by ``ANSIBLE_ACTION_PLUGINS`` pointing here (an action plugin named like a module
+replaces the module's action: ansible-core lib/ansible/executor/task_executor.py,
+TaskExecutor._get_action_handler_with_module_context).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ansible.plugins.action import ActionBase
+
+PLACEHOLDER = "@@rdma-fleet-record-host@@"
+
+
+class ActionModule(ActionBase):  # type: ignore[misc]  # ansible-core ships no type hints
+    _supports_check_mode = True
+
+    def run(self, tmp: Any = None, task_vars: Any = None) -> dict[str, Any]:
+        result: dict[str, Any] = super().run(tmp, task_vars)
+        args = dict(self._task.args)
+        host = args.pop("record_host", None)
+        key = hashlib.sha256(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()
+        cache = Path(os.environ["RDMA_FLEET_FAKE_CACHE"]) / f"{key}.json"
+        try:
+            text = cache.read_text()
+        except FileNotFoundError:
+            module_args = {**args, "record_host": PLACEHOLDER} if host is not None else args
+            got = self._execute_module(module_name="rdma_node_info", module_args=module_args, task_vars=task_vars)
+            self._remove_tmp_path(self._connection._shell.tmpdir)
+            text = json.dumps(got, default=str)
+            partial = cache.with_suffix(f".{os.getpid()}")
+            partial.write_text(text)
+            partial.replace(cache)  # forks that read it at the same time see all of it or nothing
+        # The placeholder stands for the host name in the recorded fact and the invocation.
+        result.update(json.loads(text.replace(json.dumps(PLACEHOLDER), json.dumps(host))))
+        return result
