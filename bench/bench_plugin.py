@@ -566,8 +566,7 @@ def bench_recovery(out: list[str], samples: Samples, quick: bool) -> None:
                     if not sim.wait_for(lambda k=k, want=want, ep=ep: any(s[2] == want for s in ep.snapshots[k:]), 10):
                         raise RuntimeError("flip lost")
                     sink.append(next(s[0] for s in ep.snapshots[k:] if s[2] == want) - t0)
-                    # decorrelate from the probe phase (hostNetwork: past the fast follow-up too)
-                    time.sleep(rng.uniform(0, health.interval_seconds) + (2.2 if host_network else 0.0))
+                    time.sleep(rng.uniform(0, health.interval_seconds))  # decorrelate from the probe phase
         samples[f"Recovery, {label}"] = {
             "kubelet restart -> Register": rereg,
             "kubelet restart -> first snapshot": first_snap,
