@@ -97,3 +97,26 @@ def test_torn_read_is_read_again(node: fixtures.FixtureNode, monkeypatch: pytest
     monkeypatch.setattr(os, "pread", once_torn)
     assert reader.read() == {"mlx5_bond_0": ("ACTIVE",)}
     reader.close()
+
+
+def test_a_nic_gone_before_its_ports_are_opened_fails_the_reader(node: fixtures.FixtureNode) -> None:
+    """Listed by a re-list, removed before the reader opens its ports: with no descriptor to fail,
+    the NIC would look present until the next device list; the reader must fail instead."""
+    node.remove_nic("mlx5_bond_2")
+    reader = sysfs.PortStateReader(node.sysfs, ["mlx5_bond_0", "mlx5_bond_2"])
+    try:
+        assert reader.read() is None
+        assert "mlx5_bond_2 is gone" in reader.failed
+    finally:
+        reader.close()
+
+
+def test_a_removed_nic_fails_the_reads_of_its_open_ports(node: fixtures.FixtureNode) -> None:
+    """The fixture's stand-in for kernfs deactivation (ENODEV): an open state attribute reads empty."""
+    reader = sysfs.PortStateReader(node.sysfs, ["mlx5_bond_0", "mlx5_bond_2"])
+    try:
+        assert reader.read() == {"mlx5_bond_0": ("ACTIVE",), "mlx5_bond_2": ("ACTIVE",)}
+        node.remove_nic("mlx5_bond_2")
+        assert reader.read() is None and "mlx5_bond_2" in reader.failed
+    finally:
+        reader.close()

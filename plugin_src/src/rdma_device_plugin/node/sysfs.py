@@ -479,6 +479,9 @@ class PortStateReader:
         self._states: dict[str, tuple[str, ...] | None] | None = None
         for name in names:
             ports_dir = _path(sysfs_root, "class", "infiniband", name, "ports")
+            if not os.path.isdir(ports_dir):  # removed since it was listed: nothing to read would
+                self.failed = f"{name} is gone"  # never fail, so the NIC would look present
+                continue
             entries = sorted((e for e in _listdir(ports_dir) if e.isdigit()), key=int)
             self._shape[name] = len(entries)
             for entry in entries:
