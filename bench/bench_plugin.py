@@ -79,7 +79,10 @@ class Rig:
         self.log = open(os.path.join(self.tmp, "plugin.log"), "w", encoding="utf-8")  # noqa: SIM115
         cmd = [sys.executable, "-m", "rdma_device_plugin", "serve", "--config", cfg]
         cmd += ["--sysfs-root", self.fx.sysfs, "--dev-root", self.fx.dev, "--device-plugin-dir", self.dp]
-        cmd += ["--health-file", os.path.join(self.tmp, "health.json")]  # the liveness file, as in the chart
+        # The liveness file in a directory of its own, as the chart's /dev/shm: not beside the config
+        # file, whose directory the plugin watches.
+        os.mkdir(os.path.join(self.tmp, "run"))
+        cmd += ["--health-file", os.path.join(self.tmp, "run", "health.json")]
         if self.ns is not None:
             cmd = self.ns.exec_prefix + cmd  # `ip netns exec` execs: the pid stays the plugin's
         self.t_spawn = time.monotonic()
