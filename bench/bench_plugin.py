@@ -72,15 +72,15 @@ class Rig:
         self.dp = os.path.join(self.tmp, "dp")
         os.mkdir(self.dp)
         self.config = config
-        cfg = os.path.join(self.tmp, "config.yaml")
+        os.mkdir(os.path.join(self.tmp, "config"))  # a directory of its own, as the chart's ConfigMap volume
+        cfg = os.path.join(self.tmp, "config", "config.yaml")
         with open(cfg, "w", encoding="utf-8") as fh:
             yaml.safe_dump(config, fh)
         self.sim = KubeletSimulator(self.dp).start()
         self.log = open(os.path.join(self.tmp, "plugin.log"), "w", encoding="utf-8")  # noqa: SIM115
         cmd = [sys.executable, "-m", "rdma_device_plugin", "serve", "--config", cfg]
         cmd += ["--sysfs-root", self.fx.sysfs, "--dev-root", self.fx.dev, "--device-plugin-dir", self.dp]
-        # The liveness file in a directory of its own, as the chart's /dev/shm: not beside the config
-        # file, whose directory the plugin watches.
+        # The liveness file in a directory of its own, as the chart's /dev/shm.
         os.mkdir(os.path.join(self.tmp, "run"))
         cmd += ["--health-file", os.path.join(self.tmp, "run", "health.json")]
         if self.ns is not None:
