@@ -102,7 +102,7 @@ def test_link_events_drive_the_probe_in_the_nodes_netns(
     sim: KubeletSimulator, start_plugin: Callable[..., PluginProcess], node: fixtures.FixtureNode
 ) -> None:
     """hostNetwork stand-in: the plugin runs in a netns holding the node's netdevs. With both poll
-    intervals at 30 s, a port DOWN/ACTIVE still reaches the kubelet within seconds (the link
+    intervals at 60 s, a port DOWN/ACTIVE still reaches the kubelet within seconds (the link
     message), the idle loop wakes about once a second, and a kubelet restart (inotify) is seen."""
     with netns.NodeNetns(node) as ns:
         config = {"health": {"intervalSeconds": 60, "linkEventsIntervalSeconds": 60}}

@@ -184,6 +184,23 @@ def test_liveness_file_says_a_registration_change_at_once(node: fixtures.Fixture
     assert doc["registered"] == [] and RES in doc["unregistered_since"]
 
 
+def test_liveness_allows_the_slower_link_event_poll(node: fixtures.FixtureNode, short_tmp: Path) -> None:
+    """With link events the port poll may be as slow as linkEventsIntervalSeconds: the probe loop's
+    allowed age follows it, or `healthcheck` would restart a healthy plugin between two polls."""
+    from rdma_device_plugin.config import load_config_text
+    from rdma_device_plugin.daemon import Supervisor
+
+    dp = short_tmp / "dp-slow"
+    dp.mkdir()
+    health = short_tmp / "slow.json"
+    config = load_config_text("health: {intervalSeconds: 0.1, linkEventsIntervalSeconds: 30}", "test")
+    sup = Supervisor(config, node.sysfs, node.dev, str(dp), health_file=str(health))
+    sup.heartbeats["probe"] = sup.heartbeats["watch"] = time.time()
+    sup._write_health()
+    loops = json.loads(health.read_text(encoding="utf-8"))["loops"]
+    assert loops["probe"]["max_age"] >= 5 * 30 and loops["watch"]["max_age"] == 10.0
+
+
 # --------------------------------------------------------------------------- node events
 
 

@@ -710,7 +710,8 @@ class Supervisor:
             return
         # Stamped before writing: a failing write is retried at the same pace, not at every pass.
         self._health_written, self._health_said = time.time(), self._changes
-        probe_max = max(10.0, 5 * self.config.health.interval_seconds)
+        health = self.config.health
+        probe_max = max(10.0, 5 * max(health.interval_seconds, health.link_events_interval_seconds))
         doc = {
             "pid": os.getpid(),
             "time": time.time(),
