@@ -128,3 +128,35 @@ def test_link_events_drive_the_probe_in_the_nodes_netns(
         sim.restart()  # seen through inotify on the device-plugin dir: nothing polls it now
         assert sim.wait_registered(RES, count=2, timeout=30), plugin.output()[-3000:]
         assert plugin.stop()[0] == 0
+
+
+def test_a_broken_notification_source_is_dropped_not_fatal(node: fixtures.FixtureNode, short_tmp: Path) -> None:
+    """A read error on a notification (netlink, inotify) must not end the supervisor loop: the
+    source is dropped, polling covers for it, and the pass looks at everything once."""
+    from rdma_device_plugin.config import PluginConfig
+    from rdma_device_plugin.daemon import Supervisor
+
+    dp = short_tmp / "dp-broken"
+    dp.mkdir()
+    sup = Supervisor(PluginConfig(), node.sysfs, node.dev, str(dp))
+    sup._keep_watching()
+    links, watch = sup._links, sup._dir_watch
+    assert links is not None and watch is not None
+
+    def broken(*args: object) -> bool:
+        raise OSError(5, "Input/output error")
+
+    links.drain = broken  # type: ignore[method-assign]
+
+    class Ready:
+        def poll(self, timeout: int) -> list[tuple[int, int]]:
+            return [(links.fileno(), 1)]
+
+        def unregister(self, fd: int) -> None:
+            pass
+
+    sup._poller = Ready()  # type: ignore[assignment]
+    woke = sup._wait(0)
+    assert woke and sup._links is None and sup._links_failed  # polled from now on
+    assert sup._dir_watch is watch  # the other sources stay
+    watch.close()

@@ -401,12 +401,31 @@ class Supervisor:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
                 out.append(fd)
-            elif isinstance(source, events.LinkEvents):
-                if source.drain(self.discovery.coverage.netdevs):
-                    out.append(source)
-            elif source.drain():
+                continue
+            try:
+                seen = (
+                    source.drain(self.discovery.coverage.netdevs)
+                    if isinstance(source, events.LinkEvents)
+                    else source.drain()
+                )
+            except OSError as exc:  # a notification source broke: drop it, polling covers for it
+                self._lost(source, exc)
+                out.append(fd)  # look at everything once now
+                continue
+            if seen:
                 out.append(source)
         return out
+
+    def _lost(self, source: events.DirWatch | events.LinkEvents, exc: OSError) -> None:
+        LOG.warning("a notification source failed (%s); polling instead", exc, extra={"source": type(source).__name__})
+        self._watching(source, False)
+        if source is self._links:
+            self._links, self._links_failed = None, True
+            self._say_coverage()
+        elif source is self._dir_watch:
+            self._dir_watch = None  # re-opened at the next once-a-second pass
+        elif source is self._config_watch:
+            self._config_watch = None
 
     def _next_watch(self) -> float:
         """When the socket watch must run next without a notification: at the polling period when
