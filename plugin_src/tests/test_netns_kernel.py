@@ -10,22 +10,19 @@ GIDs point at those netdevs. Needs root and iproute2 (skipped otherwise).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from rdma_device_plugin.kubesim.netns import Netns
+from rdma_device_plugin.kubesim.netns import available as netns_available
 from rdma_device_plugin.node import fixtures
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for network namespaces"
-)
+pytestmark = pytest.mark.skipif(netns_available() is not None, reason=f"network namespaces: {netns_available()}")
 
 READ = """
 import json, sys
@@ -40,10 +37,6 @@ print(json.dumps({
 """
 
 
-def _ip(ns: str, *args: str) -> str:
-    return subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True, text=True).stdout
-
-
 def _wait_for(what: str, probe: object, timeout: float = 60.0) -> None:
     """Poll a kernel state change (DAD takes about a second; generous on a loaded machine)."""
     deadline = time.monotonic() + timeout
@@ -54,46 +47,44 @@ def _wait_for(what: str, probe: object, timeout: float = 60.0) -> None:
 
 
 @pytest.fixture
-def netns() -> Iterator[str]:
-    name = f"rdp-test-{uuid.uuid4().hex[:8]}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot create a network namespace: {made.stderr.strip()}")
+def netns() -> Iterator[Netns]:
     try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
+        ns = Netns()
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot create a network namespace: {exc.stderr.strip()}")
+    with ns:
+        yield ns
 
 
-def test_ipv6_checks_read_a_real_kernel_network_stack(short_tmp: Path, netns: str) -> None:
+def test_ipv6_checks_read_a_real_kernel_network_stack(short_tmp: Path, netns: Netns) -> None:
     node = fixtures.write_node(str(short_tmp / "node"), fixtures.lingjun_node(nics=4))
     address = {i: f"2408:4005:300:{i:x}::11" for i in range(4)}  # what the fixture's GIDs carry
     for i in range(4):
-        _ip(netns, "link", "add", f"bond{i}", "type", "veth", "peer", "name", f"peer{i}")
+        netns.ip("link", "add", f"bond{i}", "type", "veth", "peer", "name", f"peer{i}")
     # bond0: healthy, with an extra compute route besides the prefix route
-    _ip(netns, "link", "set", "peer0", "up")
-    _ip(netns, "link", "set", "bond0", "up")
-    _ip(netns, "-6", "addr", "add", f"{address[0]}/64", "dev", "bond0")
-    _ip(netns, "-6", "route", "add", "2408:4005:3ff::/56", "dev", "bond0")
+    netns.ip("link", "set", "peer0", "up")
+    netns.ip("link", "set", "bond0", "up")
+    netns.ip("-6", "addr", "add", f"{address[0]}/64", "dev", "bond0")
+    netns.ip("-6", "route", "add", "2408:4005:3ff::/56", "dev", "bond0")
     # bond1: IPv6 disabled by the real sysctl (the kernel drops its addresses)
-    _ip(netns, "link", "set", "peer1", "up")
-    _ip(netns, "link", "set", "bond1", "up")
-    _ip(netns, "-6", "addr", "add", f"{address[1]}/64", "dev", "bond1")
-    subprocess.run(["ip", "netns", "exec", netns, "sysctl", "-qw", "net.ipv6.conf.bond1.disable_ipv6=1"], check=True)
+    netns.ip("link", "set", "peer1", "up")
+    netns.ip("link", "set", "bond1", "up")
+    netns.ip("-6", "addr", "add", f"{address[1]}/64", "dev", "bond1")
+    subprocess.run([*netns.exec_prefix, "sysctl", "-qw", "net.ipv6.conf.bond1.disable_ipv6=1"], check=True)
     # bond2: its peer is down, so there is no carrier and DAD never finishes: tentative
-    _ip(netns, "link", "set", "bond2", "up")
-    _ip(netns, "-6", "addr", "add", f"{address[2]}/64", "dev", "bond2")
+    netns.ip("link", "set", "bond2", "up")
+    netns.ip("-6", "addr", "add", f"{address[2]}/64", "dev", "bond2")
     # bond3: its peer already owns the address, so DAD fails: dadfailed
-    _ip(netns, "link", "set", "peer3", "up")
-    _ip(netns, "link", "set", "bond3", "up")
-    _ip(netns, "-6", "addr", "add", f"{address[3]}/64", "dev", "peer3", "nodad")
-    _ip(netns, "-6", "addr", "add", f"{address[3]}/64", "dev", "bond3")
+    netns.ip("link", "set", "peer3", "up")
+    netns.ip("link", "set", "bond3", "up")
+    netns.ip("-6", "addr", "add", f"{address[3]}/64", "dev", "peer3", "nodad")
+    netns.ip("-6", "addr", "add", f"{address[3]}/64", "dev", "bond3")
 
-    _wait_for("bond0's address out of DAD", lambda: "tentative" not in _ip(netns, "-6", "addr", "show", "dev", "bond0"))
-    _wait_for("bond3's address dadfailed", lambda: "dadfailed" in _ip(netns, "-6", "addr", "show", "dev", "bond3"))
+    _wait_for("bond0's address out of DAD", lambda: "tentative" not in netns.ip("-6", "addr", "show", "dev", "bond0"))
+    _wait_for("bond3's address dadfailed", lambda: "dadfailed" in netns.ip("-6", "addr", "show", "dev", "bond3"))
 
     out = subprocess.run(
-        ["ip", "netns", "exec", netns, sys.executable, "-c", READ, node.sysfs, node.dev, "bond0", "bond2", "bond3"],
+        [*netns.exec_prefix, sys.executable, "-c", READ, node.sysfs, node.dev, "bond0", "bond2", "bond3"],
         check=True,
         capture_output=True,
         text=True,

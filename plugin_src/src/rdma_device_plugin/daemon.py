@@ -74,7 +74,6 @@ class Discovery:
         self._states: dict[str, tuple[str, ...] | None] | None = None  # last states applied
         self.features: nfd.FeatureFile | None = None  # --nfd-features-file (issue 15)
         self.coverage = events.LinkCoverage(frozenset(), ())  # set by every re-list
-        self.relists = 0
 
     def _skipped(self, name: str, reason: str) -> None:
         """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
@@ -118,7 +117,6 @@ class Discovery:
         # (and force a full re-list) at every probe.
         self._names = names
         self._last_full = time.monotonic()
-        self.relists += 1
         owners = self.owners(nics) if self.config.mode == "exclusive" else {}
         for name, res in sorted(owners.items()):
             if len(res) > 1:
@@ -210,17 +208,15 @@ class Discovery:
         for line in pool.health_changes(before):
             LOG.info("health changed: %s", line, extra={"resource": pool.name})
 
-    def check_devices(self) -> bool:
+    def check_devices(self) -> None:
         """Re-list the NICs when the set of RDMA devices changed (hot-plug, removal), one is still
-        incomplete, or the rediscovery interval passed; True when it re-listed."""
+        incomplete, or the rediscovery interval passed."""
         names = sysfs.list_rdma_devices(self.sysfs_root)
         due = time.monotonic() - self._last_full >= self.config.rediscovery_interval_seconds
         if names != self._names or due or self._incomplete:
             if names != self._names:
                 LOG.info("RDMA devices changed on the node", extra={"before": self._names, "after": names})
             self.full()
-            return True
-        return False
 
     def unchanged(self) -> bool:
         """The idle fast probe: True when every port reads as last applied (one pread per port,
@@ -444,15 +440,13 @@ class Supervisor:
         return due
 
     def _probe(self) -> None:
-        relists = self.discovery.relists
         self.discovery.probe()
-        if self.discovery.relists != relists:  # a read failed: NICs re-listed
-            self._say_coverage()
+        self._say_coverage()  # a failed read re-lists, which may change the coverage
 
     def _check_devices(self) -> None:
         """Hot-plug, a NIC still incomplete, the rediscovery timer; and say when coverage changed."""
-        if self.discovery.check_devices():
-            self._say_coverage()
+        self.discovery.check_devices()
+        self._say_coverage()
 
     def _say_coverage(self) -> None:
         """One line when how port changes are noticed changes (events vs polling)."""

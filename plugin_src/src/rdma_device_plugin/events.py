@@ -23,7 +23,7 @@ import errno
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
 from .node import sysfs, text
@@ -109,7 +109,6 @@ class DirWatch:
     """inotify watch on one directory; :meth:`drain` says whether anything happened in it."""
 
     def __init__(self, path: str, mask: int = DIR_EVENTS, names: Iterable[str] | None = None) -> None:
-        self.path = path
         # Only these entries matter (None: all); other files in the dir (a status file, a liveness
         # file) must not wake the loop each time they are written.
         self.names = frozenset(names) if names is not None else None
@@ -169,10 +168,9 @@ class LinkEvents:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def drain(self, names: Iterable[str]) -> bool:
+    def drain(self, names: Container[str]) -> bool:
         """Read every pending message; True when one concerns a netdev in ``names`` or messages were
         lost (ENOBUFS: the kernel dropped some, so any netdev may have changed)."""
-        wanted = set(names)
         hit = False
         while True:
             try:
@@ -185,7 +183,7 @@ class LinkEvents:
                     continue
                 raise
             if not hit:
-                hit = any(name in wanted for _kind, _index, name in parse_link_messages(buf))
+                hit = any(name in names for _kind, _index, name in parse_link_messages(buf))
 
     def close(self) -> None:
         self._sock.close()
