@@ -38,18 +38,25 @@ stop: ## stop the local default's plugin and kubelet simulator (playbooks/uninst
 	@if [ -x $(BIN)/ansible-playbook ]; then $(BIN)/ansible-playbook playbooks/uninstall.yml -i inventories/local; \
 	else echo "no $(VENV): nothing of the local default can be running from it"; fi
 
-status: setup ## the local default's plugin status: mode, capacity/allocatable, NICs with health, last allocations
+LOCAL_STATE := out/local/run/local-plugin.json
+status: setup ## the local default's plugin status: mode, capacity/allocatable, NICs with health, last allocations; its processes and metrics address
 	$(BIN)/rdma-device-plugin status --device-plugin-dir out/local/dp
+	@$(PY) -c 'import json,os,sys; s=json.load(open(sys.argv[1])); \
+	  [print("%s: pid %s (%s), log %s" % (n, s[n]["pid"], "running" if os.path.exists("/proc/%s" % s[n]["pid"]) else "not running", s[n]["log"])) for n in ("simulator", "plugin") if n in s]; \
+	  print("metrics: " + ("http://%s/metrics" % s["metrics_address"] if s.get("metrics_address") else "off"))' $(LOCAL_STATE) 2>/dev/null \
+	  || echo "no local processes recorded ($(LOCAL_STATE)): make demo starts them"
 
 PROMETHEUS_ARGS ?= --keep
 prometheus-local: setup system-deps ## a real Prometheus with the chart's alerts scraping the local default's plugin (`make demo` first): prints alert states and its address
-	$(PY) scripts/prometheus_local.py --target 127.0.0.1:9410 --node lingjun-node-0 --port 0 $(PROMETHEUS_ARGS)
+	@target=$$($(PY) -c 'import json,sys; print(json.load(open(sys.argv[1])).get("metrics_address",""))' $(LOCAL_STATE) 2>/dev/null); \
+	  [ -n "$$target" ] || { echo "the local plugin serves no metrics ($(LOCAL_STATE)): run make demo first" >&2; exit 1; }; \
+	  $(PY) scripts/prometheus_local.py --target $$target --node lingjun-node-0 --port 0 $(PROMETHEUS_ARGS)
 
 lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
 	cd plugin_src && $(BIN)/mypy
-	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests
-	$(BIN)/ruff check --select F,E9 library filter_plugins callback_plugins action_plugins  # modules run on nodes: pyflakes-level checks only
+	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node
+	$(BIN)/ruff check --select F,E9 plugins scripts  # modules run on nodes (any Python 3): pyflakes-level checks only
 	$(BIN)/yamllint -s .
 	bash scripts/check-proto.sh
 	if [ -d roles ] && ls roles/*/tasks >/dev/null 2>&1; then $(BIN)/ansible-lint; fi
@@ -66,7 +73,7 @@ test-ops: setup ## automation and docs: example inventory offline check, typed v
 test-molecule: setup system-deps ## every molecule scenario, for real on localhost
 	bash scripts/run-molecule.sh
 
-collection: setup ## build the lingjun.rdma collection (ansible-galaxy), install it from the tarball, use its roles by FQCN
+collection: setup ## a plain `ansible-galaxy collection build` of this repository, installed, and a playbook outside it running validate, deploy (render only) and verify by FQCN
 	bash scripts/build-collection.sh --check
 
 test: setup system-deps ## everything CI runs; ends with one "N passed, N failed" line

@@ -16,7 +16,7 @@ PLAY = """
   gather_facts: false
   tasks:
     - name: Read the node (node-ok reads a fixture node; node-bad fails the read)
-      rdma_node_info:
+      lingjun.rdma.rdma_node_info:
         sysfs_root: "{{ root }}/sys"
         procfs_root: "{{ root }}/proc"
         dev_root: "{{ root }}/dev"
@@ -27,7 +27,7 @@ PLAY = """
       when: inventory_hostname != 'node-none'
 
     - name: Write the report
-      rdma_validation_report:
+      lingjun.rdma.rdma_validation_report:
         dest: "{{ dest }}"
         hosts: "{{ ansible_play_hosts_all }}"
         fact: rdma_validation

@@ -3,7 +3,9 @@
 ``run`` (the default) starts :class:`KubeletSimulator` on ``--dir``, writes the node status the
 simulated kubelet would report (capacity and allocatable per resource) as JSON to
 ``--status-file`` whenever it changes, answers requests on a control socket, and exits on
-SIGTERM/SIGINT (removing the status file). ``allocate`` and ``status`` are clients of the
+SIGTERM/SIGINT (removing the status file). One simulator per directory, as one kubelet per
+node: ``run`` holds a lock on ``<dir>/kubelet-sim.lock`` (which names its pid) and exits with
+code 2, naming the running one, when another simulator holds it. ``allocate`` and ``status`` are clients of the
 control socket: ``allocate`` admits one container asking for ``--count`` devices, the way the
 kubelet's device manager does, and prints what the container receives.
 
@@ -14,6 +16,7 @@ kubelet's device manager does, and prints what the container receives.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import signal
@@ -27,6 +30,29 @@ from typing import Any
 from .kubelet import AllocationFailed, KubeletSimulator
 
 CONTROL_SOCKET = "kubelet-sim.ctl"
+LOCK_FILE = "kubelet-sim.lock"
+
+
+class AlreadyRunning(RuntimeError):
+    """Another simulator serves the device-plugin dir."""
+
+
+def hold_dir(device_plugin_dir: str) -> int:
+    """Take the directory's lock (released when the process ends) and write this pid into it."""
+    os.makedirs(device_plugin_dir, exist_ok=True)
+    path = os.path.join(device_plugin_dir, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise AlreadyRunning(
+            f"another kubelet simulator (pid {holder}) serves {device_plugin_dir}; stop it first (make stop)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def default_control_socket(device_plugin_dir: str) -> str:
@@ -138,6 +164,7 @@ def run(
     """Run the simulator until ``stop`` is set (or SIGTERM/SIGINT when run as a process)."""
     stop = stop or threading.Event()
     control_socket = control_socket or default_control_socket(device_plugin_dir)
+    lock = hold_dir(device_plugin_dir)
     sim = KubeletSimulator(device_plugin_dir, node_name=node_name).start()
     if os.path.lexists(control_socket):
         os.unlink(control_socket)
@@ -161,6 +188,7 @@ def run(
         sim.stop()
         if os.path.exists(status_file):
             os.unlink(status_file)
+        os.close(lock)
     return 0
 
 
@@ -172,7 +200,11 @@ def _run_main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    return run(args.dir, args.status_file, args.node_name, args.control_socket, stop)
+    try:
+        return run(args.dir, args.status_file, args.node_name, args.control_socket, stop)
+    except AlreadyRunning as exc:
+        print(f"kubelet simulator: {exc}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

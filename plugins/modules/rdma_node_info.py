@@ -184,16 +184,13 @@ from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
 
-try:  # installed as the lingjun.rdma collection
-    from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_node import (
-        ipv6checks,
-        nicchecks,
-        selectors,
-        sysfs,
-        verbs,
-    )
-except ImportError:  # run from this repository (ansible.cfg: module_utils = ./module_utils)
-    from ansible.module_utils.rdma_node import ipv6checks, nicchecks, selectors, sysfs, verbs  # type: ignore[no-redef]
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_node import (
+    ipv6checks,
+    nicchecks,
+    selectors,
+    sysfs,
+    verbs,
+)
 
 NIC_OPTIONS = (
     "modules",
@@ -253,6 +250,17 @@ def _ipv6(netdev: str, state: ipv6checks.NetdevIpv6, nics: list[sysfs.Nic]) -> d
             {"destination": r.destination, "prefix_len": r.prefix_len, "next_hop": r.next_hop} for r in state.routes
         ],
     }
+
+
+def _gid_indexes(nics: list[sysfs.Nic]) -> dict[str, int]:
+    """Per NIC, the lowest index of a RoCE v2 GID carrying a global IPv6 address of its compute netdevs
+    (what NCCL_IB_GID_INDEX must name); NICs without one are left out."""
+    out: dict[str, int] = {}
+    for nic in nics:
+        found = [i for netdev in nic.compute_netdevs for i in ipv6checks.roce_v2_gids(nic, netdev).values()]
+        if found:
+            out[nic.name] = min(found)
+    return out
 
 
 def _rows(checks: list[ipv6checks.Check], role: str) -> list[dict[str, Any]]:
@@ -387,6 +395,7 @@ def main() -> None:
                 "link_layers": sorted({ll for n in selected for ll in n.link_layers}),
                 "firmware": sorted({n.fw_ver for n in selected}),
                 "driver_version": driver_version,
+                "roce_v2_gid_index": _gid_indexes(selected),
             },
             "ipv6_compute_validate": {
                 "ipv6": "passed" if all(c.passed for c in ipv6) else "failed",

@@ -10,9 +10,14 @@ short_description: Write the RDMA fleet validation report, merged with the previ
 description:
   - Builds the fleet report from the C(rdma_validation) facts of the hosts of one run and
     writes C(rdma-validation.json) and C(rdma-validation.md) into I(dest).
+  - The Markdown and JSON open with a fleet rollup (module_utils C(rdma_fleet)) - pass/fail counts,
+    the most frequent failing checks, and per fact (firmware, driver/OFED,
+    kernel, link layer, NIC count, RoCE v2 GID index) the values with their node counts and the
+    nodes that differ from the most common one (GID index drift is flagged).
   - Hosts of the run without results (unreachable, or failed before the checks) are listed as
     not validated. Hosts of the previous report that this run did not cover (C(--limit)) keep
-    their entry and its date, so a stale entry is visible.
+    their entry and its date, so a stale entry is visible. With I(inventory_hosts), entries of
+    hosts no longer in the inventory are dropped and listed once under C(removed).
   - Each entry of this run is dated (C(validated_on), UTC day); the same findings on the same
     day rewrite nothing.
   - In check mode nothing is written and no change is reported; C(msg) says what would be written.
@@ -56,6 +61,12 @@ options:
     description: Host -> Kubernetes node name, when it differs from the inventory host name.
     type: dict
     default: {}
+  inventory_hosts:
+    description:
+      - Every host of the inventory's node group (not only this run's, under C(--limit)). Entries of
+        the previous report for other hosts are dropped and listed once under C(removed).
+    type: list
+    elements: str
 """
 
 EXAMPLES = r"""
@@ -77,7 +88,7 @@ EXAMPLES = r"""
 
 RETURN = r"""
 summary:
-  description: C(total), C(passed), C(failed) and C(not_validated) of the report (its nodes are in the files).
+  description: C(total), C(passed), C(failed), C(not_validated) and C(removed) of the report (its nodes are in the files).
   returned: always
   type: dict
 paths:
@@ -93,6 +104,7 @@ import os
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import rollup, rollup_markdown
 
 NOT_VALIDATED = "not validated (unreachable, or a task failed before the checks)"
 
@@ -118,18 +130,30 @@ def _entry(host: str, node_name: str, fact: Any, today: str) -> dict[str, Any]:
 
 
 def build(
-    previous: dict[str, Any], hosts: list[str], results: dict[str, Any], names: dict[str, str], today: str
+    previous: dict[str, Any],
+    hosts: list[str],
+    results: dict[str, Any],
+    names: dict[str, str],
+    today: str,
+    inventory: list[str] | None = None,
 ) -> dict[str, Any]:
     nodes = dict(previous.get("nodes") or {})
     for host in hosts:
         nodes[host] = _entry(host, str(names.get(host) or host), results.get(host), today)
+    removed = []
+    if inventory is not None:
+        keep = set(inventory) | set(hosts)
+        removed = [{"host": h, "validated_on": nodes[h].get("validated_on")} for h in sorted(nodes) if h not in keep]
+        nodes = {h: n for h, n in nodes.items() if h in keep}
     nodes = dict(sorted(nodes.items()))
     return {
+        "rollup": rollup(nodes),
         "nodes": nodes,
         "total": len(nodes),
         "passed": sum(1 for n in nodes.values() if n.get("passed")),
         "failed": [h for h, n in nodes.items() if not n.get("passed")],
         "not_validated": [h for h, n in nodes.items() if not n.get("validated")],
+        "removed": removed,
         "this_run": sorted(hosts),
     }
 
@@ -147,6 +171,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['passed']} of {report['total']} node(s) passed"
         + (f"; {len(report['not_validated'])} not validated" if report["not_validated"] else "")
         + ". Entries not validated in the latest run keep their older date.",
+        "",
+        rollup_markdown(report["rollup"]),
+    ]
+    if report.get("removed"):
+        gone = ", ".join(f"{r['host']} (last validated {r.get('validated_on') or '-'})" for r in report["removed"])
+        lines += [f"Removed from the inventory since the previous report (listed this once): {gone}.", ""]
+    lines += [
+        "## Nodes",
         "",
         "| host | result | node | validated on | checks passed | checks failed | RDMA NICs | link layer "
         "| firmware | driver | IPv6 compute | failed checks |",
@@ -202,6 +234,7 @@ def main() -> None:
             "results": {"type": "dict"},
             "results_file": {"type": "path"},
             "node_names": {"type": "dict", "default": {}},
+            "inventory_hosts": {"type": "list", "elements": "str"},
         },
         required_one_of=[("results", "results_file")],
         mutually_exclusive=[("results", "results_file")],
@@ -221,15 +254,15 @@ def main() -> None:
         except ValueError:
             module.warn(f"{json_path} is not JSON; it is replaced, not merged")
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    report = build(previous, p["hosts"], p["results"], p["node_names"], today)
+    report = build(previous, p["hosts"], p["results"], p["node_names"], today, p["inventory_hosts"])
     new_json = json.dumps(report, indent=4, sort_keys=True) + "\n"
     new_md = markdown(report)
     differs = old_json != new_json or _read(md_path) != new_md
     paths = [json_path, md_path]
-    summary = {k: report[k] for k in ("total", "passed", "failed", "not_validated")}
+    summary = {k: report[k] for k in ("total", "passed", "failed", "not_validated", "removed")}
     # Not the default echo of every host's results (module_utils/basic.py, _return_formatted):
     # the controller would hold the whole fleet's findings a second time (memory at 5000 hosts).
-    invocation = {"module_args": {"dest": p["dest"], "hosts": len(p["hosts"]), "results": len(p["results"])}}
+    invocation = {"module_args": {"dest": p["dest"], "hosts": len(p["hosts"]), "results": len(p["results"] or {})}}
     if module.check_mode:
         would = "would rewrite" if differs else "would leave unchanged"
         module.exit_json(

@@ -1,6 +1,8 @@
 """Controller side of the rdma_validation_report module: gather every host's results itself.
 
-With ``fact`` (and ``read``) instead of ``results``, this action takes each host's findings
+With ``fact`` (and ``read``) instead of ``results``, the hosts of this run are those of ``hosts``
+whose ``read`` is registered (a host outside ``--limit`` has none and keeps its previous entry), the
+node names come from each host's ``rdma_k8s_node_name``, and this action takes each host's findings
 straight from the variable manager (``hostvars.raw_get``: the stored objects, not a templated
 copy; ansible-core lib/ansible/vars/hostvars.py, HostVars.raw_get) and streams them into a
 JSON file that the module reads (``results_file``). Passed as ``results``, they would exist
@@ -18,6 +20,7 @@ import tempfile
 
 from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
+from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import Hosts
 
 MODULE = "rdma_validation_report"
 
@@ -27,7 +30,8 @@ def host_result(host_vars, fact, read):
     A skipped read is no read: the module lists the host as not validated."""
     got = host_vars.get(read) if read else None
     if isinstance(got, dict) and "ansible_facts" not in got and not got.get("skipped"):
-        return {"validated": False, "errors": {"read": got.get("msg", "unreachable")}}
+        reason = ("unreachable: " if got.get("unreachable") else "") + str(got.get("msg") or "unreachable")
+        return {"validated": False, "errors": {"read": reason}}
     return host_vars.get(fact)
 
 
@@ -42,7 +46,11 @@ class ActionModule(ActionBase):
         if fact is not None:
             if "results" in args:
                 raise AnsibleActionFail(f"{MODULE}: give either results or fact (with read), not both")
-            args["results_file"] = self._results_file(task_vars["hostvars"], args.get("hosts") or [], fact, read)
+            hosts, names, args["results_file"] = self._results_file(
+                Hosts(task_vars), list(args.get("hosts") or []), fact, read
+            )
+            args["hosts"] = hosts
+            args["node_names"] = names
         elif read is not None:
             raise AnsibleActionFail(f"{MODULE}: read names the registered read beside fact; set fact too")
         try:
@@ -53,21 +61,31 @@ class ActionModule(ActionBase):
             self._remove_tmp_path(self._connection._shell.tmpdir)
         return result
 
-    def _results_file(self, hostvars, hosts, fact, read):
-        """Stream {host: result} into a local file, one host at a time, and put it beside the module."""
+    def _results_file(self, values, candidates, fact, read):
+        """Stream {host: result} of this run's hosts into a local file, one host at a time, and put it
+        beside the module. This run's hosts are those whose ``read`` was registered (run, failed or
+        unreachable); a host outside --limit has none. Returns (hosts, node names, remote path)."""
+        hosts, names = [], {}
         fd, local = tempfile.mkstemp(prefix="rdma-validation-results-", suffix=".json")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write("{")
-                for i, host in enumerate(hosts):
-                    fh.write(("," if i else "") + json.dumps(host) + ":")
-                    json.dump(host_result(hostvars.raw_get(host), fact, read), fh, default=str)
+                for host in candidates:
+                    raw = values.raw(host)
+                    if read and read not in raw:
+                        continue
+                    fh.write(("," if hosts else "") + json.dumps(host) + ":")
+                    json.dump(host_result(raw, fact, read), fh, default=str)
+                    hosts.append(host)
+                    name = values.node_name(host)
+                    if name != host:
+                        names[host] = name
                 fh.write("}")
             if self._connection._shell.tmpdir is None:
                 self._make_tmp_path()
             remote = self._connection._shell.join_path(self._connection._shell.tmpdir, "results.json")
             self._transfer_file(local, remote)
             self._fixup_perms2((self._connection._shell.tmpdir, remote))
-            return remote
+            return hosts, names, remote
         finally:
             os.unlink(local)

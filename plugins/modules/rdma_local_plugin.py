@@ -14,9 +14,15 @@ description:
     O(status_file)) and the plugin (C(python -m rdma_device_plugin serve --config ...)), and waits until
     the simulator reports every resource of the config registered.
   - Idempotent. Process ids and a fingerprint of each process's command line and config file are kept in
-    O(run_dir)/local-plugin.json; a process that is alive with the same fingerprint is left alone. A changed
-    plugin config restarts only the plugin (as a DaemonSet rollout would), not the simulator.
-  - O(state=stopped) ends both processes (by their recorded pid, after checking the pid still runs them).
+    O(run_dir)/local-plugin.json, each written the moment its process starts (before anything can fail); a
+    process that is alive with the same fingerprint is left alone. A changed plugin config restarts only the
+    plugin (as a DaemonSet rollout would), not the simulator.
+  - A start that fails (the plugin cannot bind its metrics port, does not register, ...) stops every process
+    it started before failing; O(state=stopped) (C(make stop)) ends every recorded process (by its pid, after
+    checking the pid still runs it), also after a failed start.
+  - With O(metrics), the plugin serves metrics on 127.0.0.1 at O(metrics_port), or, when it is 0, at a free
+    port the kernel gives (kept across runs while the plugin runs with it); the address is recorded and
+    returned (C(make status) shows it).
 version_added: "0.1.0"
 author: rdma-device-plugin maintainers
 options:
@@ -62,10 +68,14 @@ options:
     description: Seconds to wait for the registration.
     type: int
     default: 30
-  metrics_address:
-    description: C(HOST:PORT) the plugin serves Prometheus metrics on (C(make prometheus-local) scrapes it); empty for none.
-    type: str
-    default: ""
+  metrics:
+    description: Serve Prometheus metrics on 127.0.0.1 (C(make prometheus-local) scrapes them).
+    type: bool
+    default: false
+  metrics_port:
+    description: The metrics port; 0 means a free port (the one recorded while the plugin runs with it).
+    type: int
+    default: 0
 """
 
 EXAMPLES = r"""
@@ -94,12 +104,17 @@ restarted:
   type: list
   elements: str
   returned: always
+metrics_address:
+  description: C(127.0.0.1:PORT) of the plugin's metrics, empty when off.
+  type: str
+  returned: when state is started
 """
 
 import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -182,6 +197,50 @@ def _log_tail(path, lines=15):
         return ""
 
 
+def _write_state(path, state):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(state, fh, indent=2)
+    os.replace(tmp, path)
+
+
+def _port_free(port):
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the plugin's HTTP server binds
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _metrics_port(p, saved, plugin_alive):
+    """The port to serve metrics on: the one asked for, else the recorded one while the plugin runs with it
+    (or it is still free), else a free one."""
+    if p["metrics_port"]:
+        return p["metrics_port"]
+    recorded = saved.get("metrics_address", "")
+    port = int(recorded.rsplit(":", 1)[1]) if ":" in recorded else 0
+    if port and (plugin_alive or _port_free(port)):
+        return port
+    return _free_port()
+
+
+def _stop_all(state):
+    """The plugin first, then the kubelet, as a node shutdown would; every recorded pid that still runs ours."""
+    stopped = []
+    for name in ("plugin", "simulator"):
+        if _stop((state.get(name) or {}).get("pid")):
+            stopped.append(name)
+    return stopped
+
+
 def main():
     module = AnsibleModule(
         argument_spec=dict(
@@ -197,7 +256,8 @@ def main():
             node_name=dict(type="str", default="lingjun-node-0"),
             resources=dict(type="list", elements="str"),
             timeout=dict(type="int", default=30),
-            metrics_address=dict(type="str", default=""),
+            metrics=dict(type="bool", default=False),
+            metrics_port=dict(type="int", default=0),
         ),
         required_if=[
             (
@@ -216,11 +276,10 @@ def main():
 
     if p["state"] == "stopped":
         alive = [name for name, pid in pids.items() if _running(pid)]
-        if alive and not module.check_mode:
-            # The plugin first, then the kubelet, as a node shutdown would.
-            _stop(pids["plugin"])
-            _stop(pids["simulator"])
-            os.unlink(state_path)
+        if not module.check_mode:
+            _stop_all(saved)
+            if os.path.exists(state_path):
+                os.unlink(state_path)
         module.exit_json(changed=bool(alive), pids=pids, restarted=[], stopped=alive)
 
     python = p["python"] or sys.executable
@@ -251,8 +310,10 @@ def main():
         "--device-plugin-dir", p["device_plugin_dir"],
         "--log-format", "json",
     ]
-    if p["metrics_address"]:
-        plugin_cmd += ["--metrics-address", p["metrics_address"]]
+    metrics_address = ""
+    if p["metrics"]:
+        metrics_address = "127.0.0.1:%d" % _metrics_port(p, saved, _running(pids["plugin"]))
+        plugin_cmd += ["--metrics-address", metrics_address]
     sim_fp = _fingerprint(sim_cmd)
     plugin_fp = _fingerprint(plugin_cmd, [p["config_path"]])
 
@@ -264,27 +325,56 @@ def main():
 
     if module.check_mode or not restart:
         status = _read_json(p["status_file"])
-        module.exit_json(changed=bool(restart), pids=pids, restarted=restart, status=status)
+        module.exit_json(changed=bool(restart), pids=pids, restarted=restart, status=status,
+                         metrics_address=saved.get("metrics_address", metrics_address))
 
     os.makedirs(run_dir, exist_ok=True)
     os.makedirs(p["device_plugin_dir"], exist_ok=True)
     sim_log = os.path.join(run_dir, "kubelet-sim.log")
     plugin_log = os.path.join(run_dir, "plugin.log")
+    state = dict(saved)
+    started = []
+
+    def fail(msg, **extra):
+        # Nothing a failed start began keeps running, and the state file says so.
+        for name in reversed(started):
+            _stop(state[name]["pid"])
+            state.pop(name, None)
+        if state.get("simulator") or state.get("plugin"):
+            _write_state(state_path, state)
+        elif os.path.exists(state_path):
+            os.unlink(state_path)
+        module.fail_json(msg=msg, pids=pids, **extra)
+
+    def launch(name, cmd, fingerprint, log):
+        pids[name] = _start(cmd, log)
+        started.append(name)
+        state[name] = {"pid": pids[name], "fingerprint": fingerprint, "cmd": cmd, "log": log}
+        state["metrics_address"] = metrics_address
+        _write_state(state_path, state)  # recorded at once: make stop can end it whatever happens next
+
     _stop(pids["plugin"])
+    state.pop("plugin", None)
     before = {}
     if "simulator" in restart:
         _stop(pids["simulator"])
+        state.pop("simulator", None)
         if os.path.exists(p["status_file"]):
             os.unlink(p["status_file"])
-        pids["simulator"] = _start(sim_cmd, sim_log)
+        launch("simulator", sim_cmd, sim_fp, sim_log)
         deadline = time.monotonic() + p["timeout"]
         while not os.path.exists(p["status_file"]):
             if time.monotonic() > deadline or not _running(pids["simulator"]):
-                module.fail_json(msg=f"the kubelet simulator did not start; {sim_log}:\n{_log_tail(sim_log)}", pids=pids)
+                fail(f"the kubelet simulator did not start; {sim_log}:\n{_log_tail(sim_log)}")
             time.sleep(0.05)
     else:
         before = _read_json(p["status_file"]).get("registrations", {})
-    pids["plugin"] = _start(plugin_cmd, plugin_log)
+    if metrics_address and not _port_free(int(metrics_address.rsplit(":", 1)[1])):
+        fail(
+            f"the metrics port {metrics_address} is in use by another process. Fix: free it, or set "
+            "plugin_deploy_local_metrics_port to another port (0 picks a free one)"
+        )
+    launch("plugin", plugin_cmd, plugin_fp, plugin_log)
 
     deadline = time.monotonic() + p["timeout"]
     status = {}
@@ -294,27 +384,16 @@ def main():
         if all(r in status.get("registered", []) and regs.get(r, 0) > before.get(r, 0) for r in resources):
             break
         if time.monotonic() > deadline or not _running(pids["plugin"]):
-            module.fail_json(
-                msg=f"the plugin did not register {', '.join(resources)} with the kubelet simulator within "
+            fail(
+                f"the plugin did not register {', '.join(resources)} with the kubelet simulator within "
                 f"{p['timeout']}s; {plugin_log}:\n{_log_tail(plugin_log)}",
-                pids=pids,
                 status=status,
             )
         time.sleep(0.05)
     # Let the first ListAndWatch snapshot land in the status file.
     time.sleep(0.3)
     status = _read_json(p["status_file"])
-
-    with open(state_path, "w", encoding="utf-8") as fh:
-        json.dump(
-            {
-                "simulator": {"pid": pids["simulator"], "fingerprint": sim_fp, "cmd": sim_cmd, "log": sim_log},
-                "plugin": {"pid": pids["plugin"], "fingerprint": plugin_fp, "cmd": plugin_cmd, "log": plugin_log},
-            },
-            fh,
-            indent=2,
-        )
-    module.exit_json(changed=True, pids=pids, restarted=restart, status=status)
+    module.exit_json(changed=True, pids=pids, restarted=restart, status=status, metrics_address=metrics_address)
 
 
 if __name__ == "__main__":

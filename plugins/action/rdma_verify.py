@@ -1,0 +1,136 @@
+# Copyright: rdma-device-plugin maintainers; Apache-2.0
+"""Controller side of lingjun.rdma.rdma_verify: poll the cluster until every node of the inventory
+group advertises what it should, or a deadline that scales with the fleet passes.
+
+Each poll is one run of the rdma_cluster_nodes module (one paginated, label-selected node list and
+one DaemonSet list); the verdict of every node is computed here in Python (module_utils/rdma_fleet),
+with the expected numbers from the node's current mode label (exclusive: its NIC count from this
+run's validation facts, else the inventory's last report, else rdma_nic_count /
+rdma_nic_validate_expected_nics). A progress line is printed at every poll that changes the count.
+The verdicts are returned as the fact rdma_verify_verdicts ({host: {ok, msg}}), so that each node
+host's own task in the next play fails with its own message.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ansible.errors import AnsibleActionFail
+from ansible.plugins.action import ActionBase
+from ansible.utils.display import Display
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import (
+    Cluster,
+    Want,
+    rolled_out,
+    rollout_seconds,
+    rollout_text,
+    verdict,
+)
+from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import Hosts, nic_count, read_report, report_path
+
+display = Display()
+
+MODULE_ARGS = ("kubeconfig", "context", "label_selector", "page_size", "resource_name", "mode_label_key")
+
+
+class ActionModule(ActionBase):
+    _supports_check_mode = True
+
+    def run(self, tmp=None, task_vars=None):
+        result = super().run(tmp, task_vars)
+        args = dict(self._task.args)
+        hosts = list(args.pop("hosts", None) or [])
+        if not hosts:
+            raise AnsibleActionFail("rdma_verify: hosts (the inventory hosts of the nodes) is empty")
+        base = float(args.pop("timeout", 60))
+        per_wave = float(args.pop("timeout_per_wave", 30))
+        interval = max(0.2, float(args.pop("poll_interval", 5)))
+        settle = float(args.pop("settle", 30))
+        max_unavailable = args.pop("max_unavailable", 1)
+        report_dir = args.pop("report_dir", "")
+        cluster = Cluster(
+            resource=args.get("resource_name", "rdma/hca"),
+            mode_label_key=args.get("mode_label_key", "rdma.lingjun.io/mode"),
+            default_mode=args.pop("default_mode", "shared"),
+            shared_devices=args.pop("shared_devices", 1000),
+            release=args.pop("release", "rdma"),
+            namespace=args.pop("namespace", "kube-system"),
+            validation_required=bool(args.pop("validation_required", False)),
+            report=report_path(report_dir) if report_dir else "",
+            selector=args.get("label_selector", ""),
+        )
+        module_args = dict((k, args[k]) for k in MODULE_ARGS if k in args)
+        module_args["daemonset_namespace"] = cluster.namespace
+        module_args["daemonset_selector"] = "app.kubernetes.io/instance=%s,app.kubernetes.io/component=device-plugin" % (
+            cluster.release
+        )
+        check_daemonsets = bool(args.pop("daemonsets", True))
+
+        values = Hosts(task_vars)
+        report_nodes = read_report(cluster.report) if cluster.report else {}
+        wants = []
+        for host in hosts:
+            nics, source = nic_count(values, host, report_nodes)
+            wants.append(Want(host, values.node_name(host), nics, source))
+
+        deadline_s = rollout_seconds(len(hosts), max_unavailable, base, per_wave)
+        start = time.monotonic()
+        polls = requests = 0
+        last_shown = None
+        stable_since, last_state = None, None
+        while True:
+            seen = self._execute_module(
+                module_name="lingjun.rdma.rdma_cluster_nodes", module_args=module_args, task_vars=task_vars
+            )
+            polls += 1
+            if seen.get("failed"):
+                result.update(failed=True, msg=seen.get("msg", "reading the nodes failed"), polls=polls)
+                return result
+            requests += int(seen.get("requests", 0))
+            nodes = seen.get("nodes") or {}
+            daemonsets = seen.get("daemonsets") or []
+            verdicts = dict((w.host, verdict(w, nodes.get(w.node), cluster)) for w in wants)
+            good = sum(1 for v in verdicts.values() if v.ok)
+            pending = [h for h, v in verdicts.items() if not v.ok and not v.final]
+            elapsed = time.monotonic() - start
+            left = max(0.0, deadline_s - elapsed)
+            rollout_done = not check_daemonsets or (daemonsets and all(rolled_out(d) for d in daemonsets))
+            line = "%d of %d nodes advertise %s as expected" % (good, len(wants), cluster.resource)
+            if line != last_shown:
+                display.display(
+                    "%s; %s%s" % (line, "rollout: " + rollout_text(daemonsets) if check_daemonsets else "",
+                                  "" if not pending else "; waiting up to %ds more" % left)
+                )
+                last_shown = line
+            state = (tuple(sorted(pending)), tuple(sorted((h, verdicts[h].msg) for h in pending)))
+            if state != last_state:
+                stable_since, last_state = time.monotonic(), state
+            settled = rollout_done and time.monotonic() - stable_since >= settle
+            if not pending or elapsed >= deadline_s or settled:
+                break
+            time.sleep(min(interval, max(0.0, deadline_s - elapsed)))
+
+        failed = sorted(h for h, v in verdicts.items() if not v.ok)
+        # Reported, not failed here: the verdicts must reach the node play whatever the rollout did.
+        problems = []
+        if check_daemonsets and not daemonsets:
+            problems.append("no DaemonSet of release %s in namespace %s (deploy first)" % (cluster.release, cluster.namespace))
+        elif check_daemonsets and not rollout_done:
+            problems.append("the rollout did not finish within %ds: %s" % (deadline_s, rollout_text(daemonsets)))
+        result.update(
+            changed=False,
+            ansible_facts={"rdma_verify_verdicts": dict((h, v.to_dict()) for h, v in verdicts.items())},
+            passed=len(hosts) - len(failed),
+            failed_nodes=failed,
+            polls=polls,
+            requests=requests,
+            deadline=deadline_s,
+            rollout=rollout_text(daemonsets),
+            rollout_done=bool(rollout_done),
+            rollout_problems=problems,
+            msg="%d of %d nodes advertise %s as expected after %d poll(s) (%.0fs, deadline %ds)%s%s"
+            % (len(hosts) - len(failed), len(hosts), cluster.resource, polls, time.monotonic() - start, deadline_s,
+               "; failed: %s" % ", ".join(failed[:20]) + (" and %d more" % (len(failed) - 20) if len(failed) > 20 else "")
+               if failed else "", "; " + "; ".join(problems) if problems else ""),
+        )
+        return result

@@ -1,0 +1,365 @@
+# Copyright: rdma-device-plugin maintainers; Apache-2.0
+"""Fleet logic shared by the modules, action plugins and filters of lingjun.rdma (pure, standard library).
+
+- Kubernetes quantities as node status shows extended resources (``1k`` = 1000);
+- rollout arithmetic of a DaemonSet with ``maxUnavailable`` (waves, deadlines);
+- the verdict of one node from what the API shows (verify, mode switch);
+- the fleet rollup of the validation report (counts, top failing checks, version spreads).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+# The node label and annotation validate writes (the chart's validation.required matches the label).
+VALIDATED_LABEL = "rdma.lingjun.io/validated"
+VALIDATED_AT_ANNOTATION = "rdma.lingjun.io/validated-at"
+MODES = ("shared", "exclusive")
+
+_DECIMAL = (("E", 10**18), ("P", 10**15), ("T", 10**12), ("G", 10**9), ("M", 10**6), ("k", 10**3))
+_BINARY = (("Ei", 2**60), ("Pi", 2**50), ("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))
+
+
+def format_quantity(n):
+    """Canonical DecimalSI form of a count: the largest suffix that divides it exactly (1000 -> 1k)."""
+    n = int(n)
+    for suffix, factor in _DECIMAL:
+        if n and n % factor == 0:
+            return "%d%s" % (n // factor, suffix)
+    return str(n)
+
+
+def parse_quantity(text):
+    """A whole-number quantity (``1k``, ``4``, ``1Ki``) as int; None when absent or not a count."""
+    if text is None:
+        return None
+    text = str(text).strip()
+    for suffix, factor in _BINARY + _DECIMAL:
+        if text.endswith(suffix) and text[: -len(suffix)].isdigit():
+            return int(text[: -len(suffix)]) * factor
+    return int(text) if text.isdigit() else None
+
+
+# --- rollout -------------------------------------------------------------------------------------------
+
+
+def max_unavailable_nodes(value, nodes):
+    """Nodes a DaemonSet rolling update takes down at once: an int, or a percentage of the nodes rounded
+    up (apps/v1 DaemonSetSpec: "Absolute number is calculated from percentage by rounding up"), at least 1."""
+    text = str(value).strip()
+    m = re.fullmatch(r"(\d+)%", text)
+    if m:
+        count = math.ceil(int(m.group(1)) * nodes / 100.0)
+    elif text.isdigit():
+        count = int(text)
+    else:
+        raise ValueError("maxUnavailable %r is neither a whole number nor a percentage like 10%%" % (value,))
+    return max(1, count)
+
+
+def rollout_waves(nodes, max_unavailable):
+    """How many batches a rolling update of ``nodes`` pods takes."""
+    if nodes <= 0:
+        return 0
+    return int(math.ceil(nodes / float(max_unavailable_nodes(max_unavailable, nodes))))
+
+
+def rollout_seconds(nodes, max_unavailable, base, per_wave):
+    """A deadline that scales with the fleet: ``base`` + ``per_wave`` for every rollout wave."""
+    return float(base) + float(per_wave) * rollout_waves(nodes, max_unavailable)
+
+
+# --- verdicts --------------------------------------------------------------------------------------------
+
+
+class Want(object):
+    """What one inventory host's node must advertise."""
+
+    def __init__(self, host, node, nics=None, nics_source=""):
+        self.host = host
+        self.node = node
+        self.nics = nics
+        self.nics_source = nics_source
+
+
+class Verdict(object):
+    def __init__(self, ok, msg, final, mode=None, expected=None):
+        self.ok = ok
+        self.msg = msg
+        self.final = final  # waiting longer cannot change it (no node, unknown shape, bad label)
+        self.mode = mode
+        self.expected = expected
+
+    def to_dict(self):
+        return {"ok": self.ok, "msg": self.msg, "final": self.final, "mode": self.mode, "expected": self.expected}
+
+
+class Cluster(object):
+    """Settings of one release that every verdict uses."""
+
+    def __init__(
+        self,
+        resource="rdma/hca",
+        mode_label_key="rdma.lingjun.io/mode",
+        default_mode="shared",
+        shared_devices=1000,
+        release="rdma",
+        namespace="kube-system",
+        validation_required=False,
+        report="",
+        selector="",
+    ):
+        self.resource = resource
+        self.mode_label_key = mode_label_key
+        self.default_mode = default_mode
+        self.shared_devices = int(shared_devices)
+        self.release = release
+        self.namespace = namespace
+        self.validation_required = validation_required
+        self.report = report
+        self.selector = selector
+
+
+def _shown(value):
+    return "(absent)" if value is None else value
+
+
+def verdict(want, seen, cluster):
+    """The verdict of one node from its compact API view ``seen`` ({mode, capacity, allocatable,
+    validated, unschedulable}; None when the node is not in the list)."""
+    node, res = want.node, cluster.resource
+    named = node if want.host == node else "%s (inventory host %s)" % (node, want.host)
+    if seen is None:
+        narrowed = " or lacks the labels %s" % cluster.selector if cluster.selector else ""
+        return Verdict(
+            False,
+            "node %s is not in the cluster%s. Next: set rdma_k8s_node_name for inventory host %s to its Kubernetes "
+            "node name (kubectl get nodes)." % (named, narrowed, want.host),
+            final=True,
+        )
+    mode = seen.get("mode") or cluster.default_mode
+    if mode not in MODES:
+        return Verdict(
+            False,
+            "node %s has %s=%s, which is neither shared nor exclusive. Next: playbooks/switch-mode.yml -e "
+            "'{\"rdma_switch_nodes\": [\"%s\"], \"rdma_switch_to\": \"shared\"}'" % (named, cluster.mode_label_key, mode, node),
+            final=True,
+            mode=mode,
+        )
+    if mode == "shared":
+        expected, why = cluster.shared_devices, "sharedDevices"
+    else:
+        if not want.nics:
+            return Verdict(
+                False,
+                "node %s is in exclusive mode (%s) and its NIC count is unknown. Next: validate it "
+                "(playbooks/validate.yml, whose report gives the count) or set rdma_nic_count for it "
+                "(or rdma_nic_validate_expected_nics)." % (named, cluster.mode_label_key),
+                final=True,
+                mode=mode,
+            )
+        expected, why = int(want.nics), "one per NIC, %s" % want.nics_source if want.nics_source else "one per NIC"
+    cap, alloc = seen.get("capacity"), seen.get("allocatable")
+    q = format_quantity(expected)
+    if parse_quantity(cap) == expected and parse_quantity(alloc) == expected:
+        return Verdict(
+            True,
+            "node %s (%s mode) advertises %s capacity %s, allocatable %s (%s)" % (named, mode, res, cap, alloc, why),
+            final=True,
+            mode=mode,
+            expected=expected,
+        )
+    return Verdict(
+        False,
+        "node %s (%s mode) shows capacity %s=%s, allocatable %s=%s; expected %s for both (%s). Next: %s"
+        % (named, mode, res, _shown(cap), res, _shown(alloc), q, why, _next_step(want, seen, cluster, expected)),
+        final=False,
+        mode=mode,
+        expected=expected,
+    )
+
+
+def _next_step(want, seen, cluster, expected):
+    node, ns, rel = want.node, cluster.namespace, cluster.release
+    pods = "kubectl -n %s get pods -l app.kubernetes.io/instance=%s -o wide --field-selector spec.nodeName=%s" % (
+        ns,
+        rel,
+        node,
+    )
+    cap = parse_quantity(seen.get("capacity"))
+    validated = seen.get("validated")
+    if cap is None:
+        if cluster.validation_required and validated != "true":
+            state = "%s=%s" % (VALIDATED_LABEL, validated) if validated is not None else "no %s label" % VALIDATED_LABEL
+            where = " (see %s)" % cluster.report if cluster.report else ""
+            return (
+                "the node is not validated (%s), so validation.required keeps the plugin off it: fix its "
+                "findings%s and run playbooks/validate.yml." % (state, where)
+            )
+        return "no plugin pod advertises the resource there: is it running? %s" % pods
+    if cap == expected:
+        return (
+            "allocatable below capacity means a NIC port left ACTIVE or a NIC vanished: kubectl -n %s exec "
+            "<the plugin pod on %s> -- rdma-device-plugin status (%s)." % (ns, node, pods)
+        )
+    return (
+        "the plugin there advertises another shape: check the node's %s label and the chart values "
+        "(mode, sharedDevices, selectors) of release %s, then the plugin pod (%s)." % (cluster.mode_label_key, rel, pods)
+    )
+
+
+def node_view(node, resource, mode_label_key):
+    """The few fields of a Node object a verdict needs (what the module returns per node)."""
+    meta = node.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    status = node.get("status") or {}
+    return {
+        "mode": labels.get(mode_label_key),
+        "capacity": (status.get("capacity") or {}).get(resource),
+        "allocatable": (status.get("allocatable") or {}).get(resource),
+        "validated": labels.get(VALIDATED_LABEL),
+        "unschedulable": bool((node.get("spec") or {}).get("unschedulable")),
+    }
+
+
+def daemonset_view(ds):
+    meta = ds.get("metadata") or {}
+    status = ds.get("status") or {}
+    return {
+        "name": meta.get("name"),
+        "generation": int(meta.get("generation") or 0),
+        "observed": int(status.get("observedGeneration") or 0),
+        "desired": int(status.get("desiredNumberScheduled") or 0),
+        "updated": int(status.get("updatedNumberScheduled") or 0),
+        "ready": int(status.get("numberReady") or 0),
+        "available": int(status.get("numberAvailable") or 0),
+    }
+
+
+def rolled_out(ds):
+    return ds["observed"] >= ds["generation"] and ds["desired"] == ds["updated"] == ds["ready"] == ds["available"]
+
+
+def rollout_text(daemonsets):
+    if not daemonsets:
+        return "no DaemonSet of the release"
+    return ", ".join(
+        "%s %d/%d updated, %d ready%s"
+        % (d["name"], d["updated"], d["desired"], d["ready"], "" if d["observed"] >= d["generation"] else " (not observed yet)")
+        for d in daemonsets
+    )
+
+
+# --- validation report rollup ----------------------------------------------------------------------------
+
+
+class Facet(object):
+    """One column of the fleet rollup: how many nodes show each value, and the odd ones out.
+
+    ``get(entry)`` returns the node's value (a string, or a list of strings for per-NIC facts such as
+    firmware); None when the node does not report it. Add a facet to FACETS to add a column."""
+
+    def __init__(self, title, get, drift=True):
+        self.title = title
+        self.get = get
+        self.drift = drift
+
+
+def _summary(key):
+    def get(entry):
+        value = (entry.get("summary") or {}).get(key)
+        if value in (None, "", []):
+            return None
+        return [str(v) for v in value] if isinstance(value, list) else str(value)
+
+    return get
+
+
+def _gid_index(entry):
+    idx = (entry.get("summary") or {}).get("roce_v2_gid_index")
+    if not idx:
+        return None
+    return sorted({str(v) for v in idx.values()}) if isinstance(idx, dict) else str(idx)
+
+
+FACETS = [
+    Facet("firmware", _summary("firmware")),
+    Facet("driver (mlx5_core / OFED)", _summary("driver_version")),
+    Facet("kernel", _summary("kernel")),
+    Facet("link layer", _summary("link_layers")),
+    Facet("RDMA NICs", _summary("nic_count")),
+    Facet("RoCE v2 GID index", _gid_index),
+]
+
+
+def _values(value):
+    return value if isinstance(value, list) else [value]
+
+
+def rollup(nodes, top=10):
+    """The fleet view of the report's entries (host -> entry), validated entries only for the facets."""
+    validated = dict((h, e) for h, e in nodes.items() if e.get("validated"))
+    failing = {}
+    for host, entry in validated.items():
+        for c in entry.get("checks") or []:
+            if not c.get("passed"):
+                failing.setdefault(c.get("name"), set()).add(host)
+    top_checks = sorted(failing.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:top]
+    facets = []
+    for facet in FACETS:
+        counts = {}
+        per_host = {}
+        for host, entry in validated.items():
+            value = facet.get(entry)
+            if value is None:
+                continue
+            per_host[host] = _values(value)
+            for v in set(per_host[host]):
+                counts[v] = counts.get(v, 0) + 1
+        if not counts:
+            continue
+        common = max(sorted(counts), key=lambda v: counts[v])
+        odd = sorted(h for h, vs in per_host.items() if vs != [common]) if facet.drift else []
+        facets.append(
+            {
+                "title": facet.title,
+                "values": sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])),
+                "most_common": common,
+                "odd": odd,
+                "reported_by": len(per_host),
+            }
+        )
+    return {
+        "total": len(nodes),
+        "validated": len(validated),
+        "passed": sum(1 for e in nodes.values() if e.get("passed")),
+        "failed": sum(1 for e in validated.values() if not e.get("passed")),
+        "not_validated": sum(1 for e in nodes.values() if not e.get("validated")),
+        "top_failing_checks": [{"check": name, "nodes": len(hosts), "hosts": sorted(hosts)} for name, hosts in top_checks],
+        "facets": facets,
+    }
+
+
+def rollup_markdown(r, max_hosts=8):
+    def hosts(names):
+        shown = ", ".join(names[:max_hosts])
+        return shown + (" and %d more" % (len(names) - max_hosts) if len(names) > max_hosts else "")
+
+    lines = [
+        "## Fleet",
+        "",
+        "%d node(s): %d passed, %d failed, %d not validated." % (r["total"], r["passed"], r["failed"], r["not_validated"]),
+    ]
+    if r["top_failing_checks"]:
+        lines += ["", "| failing check | nodes | e.g. |", "|---|---|---|"]
+        lines += ["| %s | %d | %s |" % (c["check"], c["nodes"], hosts(c["hosts"])) for c in r["top_failing_checks"]]
+    if r["facets"]:
+        lines += ["", "| fact | values (nodes) | odd nodes out |", "|---|---|---|"]
+        for f in r["facets"]:
+            values = ", ".join("%s (%d)" % (v, n) for v, n in f["values"])
+            odd = hosts(f["odd"]) if f["odd"] else "none"
+            if f["odd"] and f["title"].startswith("RoCE"):
+                odd = "DRIFT: " + odd + " (NCCL_IB_GID_INDEX must be the same on every node)"
+            lines.append("| %s | %s | %s |" % (f["title"], values.replace("|", "\\|"), odd))
+    return "\n".join(lines) + "\n"

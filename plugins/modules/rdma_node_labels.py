@@ -1,0 +1,128 @@
+#!/usr/bin/python
+# Copyright: rdma-device-plugin maintainers; Apache-2.0
+"""Ansible module: set or remove labels and annotations of named nodes through the Kubernetes API."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: rdma_node_labels
+short_description: Set or remove labels and annotations of many nodes (one list, a merge patch per change)
+description:
+  - Reads the nodes once (one paginated list) and sends a JSON merge patch to each named node whose
+    labels or annotations differ from the wanted ones; null removes a key. Nodes that are not in the
+    cluster are reported, not created.
+  - In check mode each patch is sent with C(dryRun=All) (the API validates it, nothing is stored)
+    and the result says what would change.
+  - C(playbooks/validate.yml) uses it (through its action) to write C(rdma.lingjun.io/validated) and
+    C(rdma.lingjun.io/validated-at); C(playbooks/uninstall.yml) to remove them and the mode label.
+version_added: "0.3.0"
+author: rdma-device-plugin maintainers
+options:
+  kubeconfig:
+    description: Kubeconfig (C(rdma_kubeconfig)); empty means the client's default.
+    type: str
+    default: ""
+  context:
+    description: Kubeconfig context (C(rdma_kube_context)); empty means the current one.
+    type: str
+    default: ""
+  nodes:
+    description: Node name -> C({labels, annotations}), each a mapping of key to value (null removes the key).
+    type: dict
+    required: true
+  page_size:
+    description: Items per page of the node list.
+    type: int
+    default: 500
+  workers:
+    description: Patches sent at the same time.
+    type: int
+    default: 8
+"""
+
+EXAMPLES = r"""
+- name: Mark two nodes validated
+  lingjun.rdma.rdma_node_labels:
+    nodes:
+      gpu-1: {labels: {rdma.lingjun.io/validated: "true"}, annotations: {rdma.lingjun.io/validated-at: "2025-06-01T10:00:00Z"}}
+      gpu-2: {labels: {rdma.lingjun.io/validated: "false"}}
+"""
+
+RETURN = r"""
+changed_nodes:
+  description: Nodes patched (in check mode, that would be patched).
+  returned: success
+  type: list
+  elements: str
+missing:
+  description: Named nodes that are not in the cluster.
+  returned: success
+  type: list
+  elements: str
+unchanged:
+  description: How many named nodes already had the wanted labels and annotations.
+  returned: success
+  type: int
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_k8s import CONNECTION_ARGS, Cluster, K8sError
+
+
+def _changes(node, want):
+    """The merge patch that gives ``node`` the wanted labels and annotations, or None."""
+    meta = node.get("metadata") or {}
+    patch = {}
+    for field in ("labels", "annotations"):
+        have = meta.get(field) or {}
+        diff = dict((k, v) for k, v in (want.get(field) or {}).items() if have.get(k) != v and (v is not None or k in have))
+        if diff:
+            patch[field] = diff
+    return {"metadata": patch} if patch else None
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            CONNECTION_ARGS,
+            nodes={"type": "dict", "required": True},
+            page_size={"type": "int", "default": 500},
+            workers={"type": "int", "default": 8},
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    wanted = p["nodes"]
+    try:
+        cluster = Cluster(p["kubeconfig"], p["context"])
+        existing = dict((n["metadata"]["name"], n) for n in cluster.list("/api/v1/nodes", page_size=p["page_size"]))
+        patches = {}
+        for name in sorted(wanted):
+            if name in existing:
+                patch = _changes(existing[name], wanted[name] or {})
+                if patch:
+                    patches[name] = patch
+
+        def send(name):
+            cluster.merge_patch("/api/v1/nodes/%s" % name, patches[name], dry_run=module.check_mode)
+            return name
+
+        with ThreadPoolExecutor(max_workers=max(1, p["workers"])) as pool:
+            done = list(pool.map(send, sorted(patches)))
+    except K8sError as err:
+        module.fail_json(msg=str(err))
+    missing = sorted(n for n in wanted if n not in existing)
+    module.exit_json(
+        changed=bool(done) and not module.check_mode,
+        changed_nodes=done,
+        missing=missing,
+        unchanged=len(wanted) - len(done) - len(missing),
+        invocation={"module_args": {"nodes": len(wanted)}},
+    )
+
+
+if __name__ == "__main__":
+    main()

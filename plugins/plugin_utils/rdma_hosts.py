@@ -1,0 +1,76 @@
+# Copyright: rdma-device-plugin maintainers; Apache-2.0
+"""Controller side of the lingjun.rdma action plugins: every inventory host's values, read in Python.
+
+The cluster plays run once on the controller and need a few values of every node host (its
+Kubernetes node name, its validation facts, its NIC count). Reading them here, from the variable
+manager's stored values (``HostVars.raw_get``, ansible-core lib/ansible/vars/hostvars.py), costs one
+lookup per host; a Jinja loop over ``hostvars`` templated every host's whole namespace instead.
+A value that is itself a template (``rdma_k8s_node_name: "{{ inventory_hostname }}.example"``) is
+templated with that host's variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+MISSING = object()
+
+
+def _is_template(value):
+    return isinstance(value, str) and ("{{" in value or "{%" in value)
+
+
+class Hosts(object):
+    """Values of the hosts of one run, from ``task_vars['hostvars']``."""
+
+    def __init__(self, task_vars):
+        self.hostvars = task_vars["hostvars"]
+        self._last = (None, None)  # one host's variables at a time: 5000 hosts' facts would not fit twice
+
+    def raw(self, host):
+        if self._last[0] != host:
+            self._last = (host, self.hostvars.raw_get(host))
+        return self._last[1]
+
+    def get(self, host, name, default=MISSING):
+        raw = self.raw(host)
+        if name not in raw:
+            return default
+        value = raw[name]
+        if _is_template(value):
+            value = self.hostvars[host][name]  # templated with the host's own variables
+        return value
+
+    def node_name(self, host):
+        value = self.get(host, "rdma_k8s_node_name", None)
+        return str(value) if value else host
+
+
+def read_report(path):
+    """The nodes of a previous validation report (``rdma-validation.json``), {} when there is none."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return (json.load(fh) or {}).get("nodes") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def nic_count(hosts, host, report_nodes):
+    """The host's NIC count for the exclusive shape, and where it comes from: this run's validation facts,
+    else the inventory's last validation report, else rdma_nic_count, else rdma_nic_validate_expected_nics."""
+    fact = hosts.get(host, "rdma_validation", None)
+    if isinstance(fact, dict) and fact.get("validated") and (fact.get("summary") or {}).get("nic_count"):
+        return int(fact["summary"]["nic_count"]), "validated in this run"
+    entry = report_nodes.get(host) or {}
+    if entry.get("validated") and (entry.get("summary") or {}).get("nic_count"):
+        return int(entry["summary"]["nic_count"]), "validated on %s" % entry.get("validated_on", "?")
+    for name in ("rdma_nic_count", "rdma_nic_validate_expected_nics"):
+        value = hosts.get(host, name, None)
+        if value not in (None, "", MISSING):
+            return int(value), name
+    return None, ""
+
+
+def report_path(report_dir):
+    return os.path.join(report_dir, "rdma-validation.json")
