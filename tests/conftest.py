@@ -13,6 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+# The repository is the lingjun.rdma collection: its plugins import as ansible_collections.lingjun.rdma.*
+sys.path.insert(0, str(ROOT / "collections"))
 
 
 def ansible_env() -> dict[str, str]:
@@ -46,7 +48,7 @@ def node_info(python: str, *args: str) -> dict[str, Any]:
             "-c",
             "local",
             "-m",
-            "rdma_node_info",
+            "lingjun.rdma.rdma_node_info",
             "-a",
             json.dumps(
                 {

@@ -13,12 +13,12 @@ import pytest
 import yaml
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "filter_plugins"))
+sys.path.insert(0, str(ROOT / "plugins" / "filter"))
 from rdma_typed import rdma_bool, rdma_int
 
 EXPRESSION_KEYS = {"when", "that", "until", "changed_when", "failed_when"}
 JINJA = re.compile(r"\{\{.*?\}\}|\{%.*?%\}", re.S)
-FILTER = {"bool": "rdma_bool", "int": "rdma_int"}
+FILTER = {"bool": "lingjun.rdma.rdma_bool", "int": "lingjun.rdma.rdma_int"}
 
 
 def typed_variables() -> dict[str, str]:
@@ -68,10 +68,11 @@ def expressions() -> Iterator[tuple[Path, str]]:
 
 @pytest.mark.parametrize("name", sorted(TYPED))
 def test_every_read_goes_through_the_boundary(name: str) -> None:
-    """One test per typed variable: each read is `name | rdma_bool('name')` / `| rdma_int('name')`
-    (or an `is defined` / `is none` test), never a bare read, `| bool`, `| int` or `| to_json`."""
+    """One test per typed variable: each read is `name | lingjun.rdma.rdma_bool('name')` /
+    `| lingjun.rdma.rdma_int('name')` (or an `is defined` / `is none` test), never a bare read, `| bool`,
+    `| int` or `| to_json`."""
     ok = re.compile(
-        rf"\b{name}\b(\s*\|\s*{FILTER[TYPED[name]]}\('{name}'\)|\s+is\s+(not\s+)?(defined|undefined|none)\b)"
+        rf"\b{name}\b(\s*\|\s*{re.escape(FILTER[TYPED[name]])}\('{name}'\)|\s+is\s+(not\s+)?(defined|undefined|none)\b)"
     )
     bad = []
     for path, raw in expressions():

@@ -1,7 +1,8 @@
-"""playbooks/uninstall.yml on a cluster inventory: removes the mode label and the plugin's CDI specs
-(and the release), supports --check, and changes nothing when helm cannot remove the release.
-The cluster is the repository's Kubernetes API emulator (scripts/kube-emulator.py) on a free port;
-the nodes are local connections with their own CDI directories."""
+"""playbooks/uninstall.yml on a cluster inventory: removes the mode and validation labels (and the
+validated-at annotation) of every inventory node and the plugin's CDI specs (and the release),
+supports --check, and changes nothing when helm cannot remove the release. The cluster is the
+repository's Kubernetes API emulator (scripts/kube-emulator.py) on a free port; the nodes are local
+connections with their own CDI directories."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import yaml
 from conftest import ROOT, run_playbook
 
 LABEL = "rdma.lingjun.io/mode"
+VALIDATED = "rdma.lingjun.io/validated"
+VALIDATED_AT = "rdma.lingjun.io/validated-at"
 NODES = ("gpu-1", "gpu-2")
 
 
@@ -37,20 +40,21 @@ def cluster(tmp_path: Path) -> Iterator[Path]:
 
         api = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
         for name in NODES:
-            labels = {"kubernetes.io/hostname": name, LABEL: "exclusive"}
-            api.create_node(
-                client.V1Node(api_version="v1", kind="Node", metadata=client.V1ObjectMeta(name=name, labels=labels))
-            )
+            labels = {"kubernetes.io/hostname": name, LABEL: "exclusive", VALIDATED: "true"}
+            meta = client.V1ObjectMeta(name=name, labels=labels, annotations={VALIDATED_AT: "2025-06-01T10:00:00Z"})
+            api.create_node(client.V1Node(api_version="v1", kind="Node", metadata=meta))
         yield kubeconfig
     finally:
         subprocess.run([*emulator, "stop", "--kubeconfig", str(kubeconfig)], check=False, timeout=120)
 
 
 def _labels(kubeconfig: Path) -> dict[str, dict[str, str]]:
+    """Each node's labels and annotations, in one mapping."""
     from kubernetes import client, config
 
     api = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
-    return {n: api.read_node(n).metadata.labels or {} for n in NODES}
+    nodes = {n: api.read_node(n).metadata for n in NODES}
+    return {n: {**(m.labels or {}), **(m.annotations or {})} for n, m in nodes.items()}
 
 
 @pytest.fixture
@@ -95,14 +99,17 @@ def test_check_then_uninstall(tmp_path: Path, inventory: Path, cluster: Path) ->
         "playbooks/uninstall.yml", "-i", str(inventory), "--check", "-e", "plugin_uninstall_release=no"
     )
     assert check.returncode == 0, check.stdout[-3000:]
-    assert "gpu-1: --check: would remove label rdma.lingjun.io/mode, 1 CDI spec(s)" in check.stdout
-    assert all(labels[LABEL] == "exclusive" for labels in _labels(cluster).values())
+    out = " ".join(check.stdout.split())
+    assert "--check: would remove the labels rdma.lingjun.io/mode and rdma.lingjun.io/validated" in out
+    assert "from 2 node(s) (gpu-1, gpu-2)" in out
+    assert "gpu-1: --check: would remove 1 CDI spec(s)" in out
+    assert all(labels[LABEL] == "exclusive" and labels[VALIDATED] == "true" for labels in _labels(cluster).values())
     assert _cdi(tmp_path) == before
 
     real = run_playbook("playbooks/uninstall.yml", "-i", str(inventory), "-e", "plugin_uninstall_release=no")
     assert real.returncode == 0, real.stdout[-3000:]
     for labels in _labels(cluster).values():
-        assert LABEL not in labels and labels["kubernetes.io/hostname"]
+        assert not {LABEL, VALIDATED, VALIDATED_AT} & set(labels) and labels["kubernetes.io/hostname"]
     assert _cdi(tmp_path) == ["gpu-1/cdi/nvidia.com-gpu.json", "gpu-2/cdi/nvidia.com-gpu.json"]
 
     again = run_playbook("playbooks/uninstall.yml", "-i", str(inventory), "-e", "plugin_uninstall_release=no")

@@ -6,7 +6,8 @@ Each poll is one run of the rdma_cluster_nodes module (one paginated, label-sele
 one DaemonSet list); the verdict of every node is computed here in Python (module_utils/rdma_fleet),
 with the expected numbers from the node's current mode label (exclusive: its NIC count from this
 run's validation facts, else the inventory's last report, else rdma_nic_count /
-rdma_nic_validate_expected_nics). A progress line is printed at every poll that changes the count.
+rdma_nic_validate_expected_nics). A progress line is printed (on stderr, so that a machine-readable
+stdout callback stays parseable) at every poll that changes the count.
 The verdicts are returned as the fact rdma_verify_verdicts ({host: {ok, msg}}), so that each node
 host's own task in the next play fails with its own message.
 """
@@ -96,10 +97,11 @@ class ActionModule(ActionBase):
             left = max(0.0, deadline_s - elapsed)
             rollout_done = not check_daemonsets or (daemonsets and all(rolled_out(d) for d in daemonsets))
             line = "%d of %d nodes advertise %s as expected" % (good, len(wants), cluster.resource)
-            if line != last_shown:
+            if line != last_shown:  # on stderr: stdout stays what the stdout callback makes of it (json, ...)
                 display.display(
                     "%s; %s%s" % (line, "rollout: " + rollout_text(daemonsets) if check_daemonsets else "",
-                                  "" if not pending else "; waiting up to %ds more" % left)
+                                  "" if not pending else "; waiting up to %ds more" % left),
+                    stderr=True,
                 )
                 last_shown = line
             state = (tuple(sorted(pending)), tuple(sorted((h, verdicts[h].msg) for h in pending)))

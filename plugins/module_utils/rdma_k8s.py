@@ -43,12 +43,11 @@ class K8sError(Exception):
 
 
 def _where(kubeconfig, context):
-    source = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-    return "rdma_kubeconfig=%s (now %s), rdma_kube_context=%s" % (
-        kubeconfig or '""',
-        source if kubeconfig else "the client default " + source,
-        context or '"" (the current context)',
-    )
+    if kubeconfig:
+        config = "rdma_kubeconfig=%s" % kubeconfig
+    else:
+        config = 'rdma_kubeconfig="" (the client default: %s)' % (os.environ.get("KUBECONFIG") or "~/.kube/config")
+    return "%s, rdma_kube_context=%s" % (config, context or '"" (the current context)')
 
 
 def api_client(kubeconfig="", context=""):
@@ -75,7 +74,7 @@ def api_client(kubeconfig="", context=""):
     except Exception as exc:  # ConfigException, yaml errors, missing keys: all mean a bad kubeconfig
         raise K8sError(
             "cannot use the kubeconfig: %s. Fix: set rdma_kubeconfig to the kubeconfig of your cluster and "
-            "rdma_kube_context to one of its contexts (%s)." % (str(exc).strip() or type(exc).__name__, _where(kubeconfig, context))
+            "rdma_kube_context to one of its contexts (%s)." % (" ".join(str(exc).split()) or type(exc).__name__, _where(kubeconfig, context))
         )
 
 
@@ -92,24 +91,14 @@ class Cluster(object):
         self.requests += 1
         headers = {"Accept": "application/json", "Content-Type": content_type}
         try:
-            resp = self.api.call_api(
-                path,
-                method,
-                query_params=list((query or {}).items()),
-                header_params=headers,
-                body=body,
-                auth_settings=["BearerToken"],
-                _preload_content=False,
-                _return_http_data_only=True,
-            )
+            data = _request(self.api, method, path, list((query or {}).items()), headers, body)
         except ApiException as exc:
             raise self._error(exc, method, path)
-        except Exception as exc:  # urllib3 connection errors, timeouts, TLS
+        except (OSError, ValueError) as exc:  # urllib3 connection errors (OSError), timeouts, TLS
             raise K8sError(
                 "cannot reach the Kubernetes API at %s: %s. Fix: check that the cluster is up and that "
                 "rdma_kubeconfig points at it (%s)." % (self.server, _reason(exc), _where(self.kubeconfig, self.context))
             )
-        data = resp.data
         return json.loads(data) if data else {}
 
     def _error(self, exc, method, path):
@@ -160,6 +149,26 @@ class Cluster(object):
         body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace}}
         path = "/api/v1/namespaces/%s/pods/%s/eviction" % (namespace, name)
         return self.call("POST", path, {"dryRun": "All"} if dry_run else None, body)
+
+
+def _request(api, method, path, query, headers, body):
+    """One request through the client's own auth, TLS and proxy settings; the raw body of a 2xx answer.
+    kubernetes >= 32 (openapi-generator 7) splits serialization from the call; older clients do both."""
+    if hasattr(api, "param_serialize"):
+        method, url, headers, body, post = api.param_serialize(
+            method=method, resource_path=path, query_params=query, header_params=headers, body=body,
+            auth_settings=["BearerToken"],
+        )
+        resp = api.call_api(method, url, header_params=headers, body=body, post_params=post)
+        resp.read()
+        if not 200 <= resp.status <= 299:
+            raise ApiException(http_resp=resp)
+        return resp.data
+    resp = api.call_api(
+        path, method, query_params=query, header_params=headers, body=body, auth_settings=["BearerToken"],
+        _preload_content=False, _return_http_data_only=True,
+    )
+    return resp.data
 
 
 def _reason(exc):
