@@ -2,23 +2,25 @@
 
 Generates an inventory of N hosts (``ansible_connection: local``), each pointing its
 rdma_*_root variables at one of a few kernel-shaped fixture nodes (9 in 10 healthy, the rest a
-port down, a firmware mismatch, or a missing sysfs root), then runs, over the same inventory,
-each phase as its own ``ansible-playbook``/``ansible`` process:
+port down, a firmware mismatch, or a missing sysfs root), starts the Kubernetes API emulator
+(``scripts/kube-emulator.py``) with N Node objects and the chart's DaemonSets rolled out (the
+nodes of the broken fixtures advertise no rdma/hca: validation gating keeps the plugin off them),
+then runs, over the same inventory, each phase as its own ``ansible-playbook``/``ansible`` process:
 
 - ``ping``:     ``ansible -m ansible.builtin.ping`` (the floor: one module run per host);
-- ``validate``: ``playbooks/validate.yml -e rdma_validation_enforce=false``: per host one
-  ``rdma_node_info`` run (reads the fixture node, returns the finished checks as the
-  ``rdma_validation`` fact), the inventory checks once per play, the report written once on the
-  controller (the bench checks that it lists all N hosts);
+- ``validate``: ``playbooks/validate.yml -e rdma_validation_enforce=false``: once on the controller
+  the inventory check (every host's typed values); per host one ``rdma_node_info`` run (reads the
+  fixture node, returns the finished checks as the ``rdma_validation`` fact); once on the
+  controller the report (the bench checks that it lists all N hosts) and the validation labels of
+  all N nodes through the API (one node list, a merge patch per node);
 - ``deploy``:   ``playbooks/deploy.yml`` with the cluster target and
-  ``plugin_deploy_render_only=true`` (there is no Helm binary or cluster here): per host the
-  chart values rendered from the inventory (``set_fact``); once per play the per-host-values
-  refusal and the IPv6 guard over every host's ``rdma_validation``, the values validated against
-  the chart schema and the chart rendered by the real Helm engine into files (the one release);
-- ``verify``:   ``playbooks/verify.yml`` with the cluster target against the Kubernetes API
-  emulator (``scripts/kube-emulator.py``, seeded with N Node objects advertising the shared
-  numbers and the chart's DaemonSets rolled out): per host the expected numbers noted and
-  compared; once per play one labelled ``k8s_info`` list of the nodes and one of the DaemonSets.
+  ``plugin_deploy_render_only=true`` (there is no Helm binary here): once on the controller the
+  values, the per-host chart-variable and IPv6 checks over every host (in Python), the schema
+  validation and the chart rendered by the real Helm engine into files (the one release);
+- ``verify``:   ``playbooks/verify.yml``: once on the controller ``rdma_verify`` (one paginated
+  node list per poll; the bench checks from the emulator's request counts that it made exactly
+  one list per poll), then per host the assert of its own verdict; the hosts of the broken
+  fixtures fail (not validated, kept off by gating), the bench checks that exactly they did.
 
 With deploy or verify, every phase but ping runs with the ``jsonfile`` fact cache in the bench's
 temporary directory, so that deploy and verify see the ``rdma_validation`` facts of the
@@ -42,9 +44,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,6 +65,8 @@ VENV_BIN = Path(sys.executable).parent
 SECTION = "## Ansible fleet (bench/fleet.py)"
 MEMORY_SECTION = "## Ansible fleet: controller memory (bench/fleet.py --fake-facts)"
 FAKE_PLUGINS = ROOT / "bench" / "fleet_plugins" / "action"
+EMULATOR = [sys.executable, str(ROOT / "scripts" / "kube-emulator.py")]
+PAGE = 500  # rdma_cluster_nodes' default page size
 PHASES = ("ping", "validate", "deploy", "verify")
 REPORT_KEYS = ("total", "passed", "failed", "not_validated")
 READY_KEYS = ("desiredNumberScheduled", "updatedNumberScheduled", "numberReady", "numberAvailable")
@@ -97,11 +102,16 @@ def write_fixtures(base: Path) -> list[tuple[str, str]]:
     return out
 
 
-def write_inventory(base: Path, hosts: int, nodes: list[tuple[str, str]]) -> Path:
-    """JSON inventory (a YAML subset): 9 of 10 hosts healthy, the rest cycle through the broken nodes."""
+def fixture_of(i: int, nodes: list[tuple[str, str]]) -> tuple[str, str]:
+    """9 of 10 hosts healthy, the rest cycle through the broken nodes."""
+    return nodes[0] if i % 10 else nodes[1 + (i // 10) % (len(nodes) - 1)]
+
+
+def write_inventory(base: Path, hosts: int, nodes: list[tuple[str, str]], kubeconfig: Path | None = None) -> Path:
+    """JSON inventory (a YAML subset) of N fixture hosts; with ``kubeconfig``, the cluster of the emulator."""
     host_vars = {}
     for i in range(hosts):
-        name, root = nodes[0] if i % 10 else nodes[1 + (i // 10) % (len(nodes) - 1)]
+        name, root = fixture_of(i, nodes)
         host_vars[f"node-{i:05d}"] = {
             "rdma_sysfs_root": f"{root}/sys",
             "rdma_procfs_root": f"{root}/proc",
@@ -113,10 +123,11 @@ def write_inventory(base: Path, hosts: int, nodes: list[tuple[str, str]]) -> Pat
             "vars": {
                 "ansible_connection": "local",
                 "ansible_python_interpreter": sys.executable,
-                "rdma_validation_report_dir": str(base / "report"),
                 "rdma_nic_validate_expected_nics": 4,
                 "rdma_nic_validate_link_layer": "Ethernet",
                 "rdma_non_host_network": True,
+                "rdma_output_dir": str(base / "out"),
+                **({"rdma_kubeconfig": str(kubeconfig)} if kubeconfig else {"rdma_validation_label": False}),
             },
             "children": {"rdma_nodes": {"hosts": host_vars}},
         }
@@ -126,125 +137,168 @@ def write_inventory(base: Path, hosts: int, nodes: list[tuple[str, str]]) -> Pat
     return path
 
 
-def run(phase: str, argv: list[str], hosts: int, env: dict[str, str], ok_rc: tuple[int, ...] = (0, 2, 4)) -> Figure:
-    """Run one phase in a child that reports its descendants' peak RSS and CPU (the controller tree)."""
+def run(
+    phase: str, argv: list[str], hosts: int, env: dict[str, str], log: Path, ok_rc: tuple[int, ...] = (0, 2, 4)
+) -> tuple[Figure, int]:
+    """Run one phase in a child that reports its descendants' peak RSS and CPU (the controller tree);
+    the phase's stdout and stderr go to ``log``."""
     probe = (
         "import json, resource, subprocess, sys;"
-        "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode;"
+        "log = open(sys.argv[1], 'w');"
+        "rc = subprocess.run(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT).returncode;"
         "u = resource.getrusage(resource.RUSAGE_CHILDREN);"
         "print(json.dumps({'rc': rc, 'cpu': u.ru_utime + u.ru_stime, 'rss_kb': u.ru_maxrss}))"
     )
     load = os.getloadavg()
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", probe, *argv], env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(log), *argv], env=env, check=True, capture_output=True, text=True
+    )
     wall = time.monotonic() - start
     got = json.loads(out.stdout.strip().splitlines()[-1])
     if got["rc"] not in ok_rc:  # validate: 2/4, failed/unreachable hosts are part of the fixture fleet
-        raise SystemExit(f"{phase} exited {got['rc']}: {' '.join(argv)}")
-    return Figure(hosts, phase, wall, got["cpu"], got["rss_kb"] / 1024, (load[0], load[1], load[2]))
+        raise SystemExit(f"{phase} exited {got['rc']}: {' '.join(argv)}; see {log}:\n{log.read_text()[-3000:]}")
+    return Figure(hosts, phase, wall, got["cpu"], got["rss_kb"] / 1024, (load[0], load[1], load[2])), got["rc"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+class Emulator:
+    """The Kubernetes API emulator with N nodes and the release's DaemonSets; its request counts."""
+
+    def __init__(self, base: Path, hosts: int, broken: set[str]) -> None:
+        self.kubeconfig = base / "emulator" / "kubeconfig"
+        start = [*EMULATOR, "start", "--port", "0", "--kubeconfig", str(self.kubeconfig)]
+        subprocess.run(start, check=True, stdout=subprocess.DEVNULL)
+        self.server = yaml.safe_load(self.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+        for i in range(hosts):
+            name = f"node-{i:05d}"
+            # Validation gating keeps the plugin off the nodes of the broken fixtures: no rdma/hca there.
+            res = {} if name in broken else {"rdma/hca": "1k"}
+            self.request("POST", "/api/v1/nodes", {
+                "apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {}},
+                "status": {"capacity": {"cpu": "192", **res}, "allocatable": {"cpu": "189", **res}},
+            })  # fmt: skip
+        labels = {"app.kubernetes.io/instance": "rdma", "app.kubernetes.io/component": "device-plugin"}
+        for mode, n in (("shared", hosts - len(broken)), ("exclusive", 0)):
+            path = "/apis/apps/v1/namespaces/kube-system/daemonsets"
+            meta = {"name": f"rdma-rdma-device-plugin-{mode}", "namespace": "kube-system", "labels": labels}
+            self.request("POST", path, {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": meta, "spec": {}})
+            status = {"observedGeneration": 1, **dict.fromkeys(READY_KEYS, n)}  # written by the DaemonSet controller
+            self.request("PATCH", f"{path}/{meta['name']}/status", {"status": status}, "application/merge-patch+json")
+
+    def request(self, method: str, path: str, body: Any = None, ctype: str = "application/json") -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.server + path, data=data, headers={"Content-Type": ctype}, method=method)
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.load(resp)
+
+    def counts(self) -> dict[str, int]:
+        got: dict[str, int] = self.request("GET", "/kube-emulator/requests")
+        return got
+
+    def stop(self) -> None:
+        subprocess.run([*EMULATOR, "stop", "--kubeconfig", str(self.kubeconfig)], check=True, stdout=subprocess.DEVNULL)
 
 
-def seed_cluster(kubeconfig: Path, hosts: int) -> None:
-    """N Node objects advertising the shared numbers and the chart's DaemonSets, rolled out."""
-    server = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
-
-    def post(path: str, obj: dict[str, Any]) -> None:
-        req = urllib.request.Request(
-            server + path, data=json.dumps(obj).encode(), headers={"Content-Type": "application/json"}, method="POST"
-        )
-        with urllib.request.urlopen(req, timeout=30):
-            pass
-
-    for i in range(hosts):
-        post(
-            "/api/v1/nodes",
-            {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {"name": f"node-{i:05d}", "labels": {}},
-                "status": {
-                    "capacity": {"cpu": "192", "rdma/hca": "1k"},
-                    "allocatable": {"cpu": "189", "rdma/hca": "1k"},
-                },
-            },
-        )
-    status = {"observedGeneration": 1, **dict.fromkeys(READY_KEYS, hosts)}
-    labels = {"app.kubernetes.io/instance": "rdma", "app.kubernetes.io/component": "device-plugin"}
-    for mode in ("shared", "exclusive"):
-        ds_status = status if mode == "shared" else {"observedGeneration": 1, **dict.fromkeys(READY_KEYS, 0)}
-        post(
-            "/apis/apps/v1/namespaces/kube-system/daemonsets",
-            {
-                "apiVersion": "apps/v1",
-                "kind": "DaemonSet",
-                "metadata": {
-                    "name": f"rdma-rdma-device-plugin-{mode}",
-                    "namespace": "kube-system",
-                    "generation": 1,
-                    "labels": {**labels, "rdma.lingjun.io/mode": mode},
-                },
-                "spec": {},
-                "status": ds_status,
-            },
-        )
+def fake_collection(base: Path) -> Path:
+    """A collections path whose lingjun.rdma is this repository with the rdma_node_info stand-in as its
+    action plugin (every other file a link to the repository's)."""
+    coll = base / "fake-collections" / "ansible_collections" / "lingjun" / "rdma"
+    coll.mkdir(parents=True)
+    for entry in ROOT.iterdir():
+        if entry.name not in ("plugins", "collections", ".git"):
+            (coll / entry.name).symlink_to(entry)
+    for sub in (ROOT / "plugins").iterdir():
+        target = coll / "plugins" / sub.name
+        if sub.name != "action":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(sub)
+            continue
+        target.mkdir(parents=True)
+        for plugin in sub.glob("*.py"):
+            (target / plugin.name).symlink_to(plugin)
+        (target / "rdma_node_info.py").symlink_to(FAKE_PLUGINS / "rdma_node_info.py")
+    return base / "fake-collections"
 
 
-def bench(hosts: int, forks: int, phases: list[str], fake_facts: bool) -> list[Figure]:
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FORKS=str(forks))
+def bench(hosts: int, forks: int, phases: list[str], fake_facts: bool, keep: Path | None = None) -> list[Figure]:
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FORKS=str(forks), ANSIBLE_NOCOLOR="1")
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
     playbook = [str(VENV_BIN / "ansible-playbook")]
     figures = []
     with tempfile.TemporaryDirectory(prefix="rdp-fleet-") as tmp:
-        base = Path(tmp)
+        base = keep or Path(tmp)
+        base.mkdir(parents=True, exist_ok=True)
         if fake_facts:
             (base / "fake").mkdir()
-            env["ANSIBLE_ACTION_PLUGINS"] = f"{FAKE_PLUGINS}:{ROOT / 'action_plugins'}"  # replaces ansible.cfg's
+            env["ANSIBLE_COLLECTIONS_PATH"] = f"{fake_collection(base)}:{ROOT / 'collections'}"
             env["RDMA_FLEET_FAKE_CACHE"] = str(base / "fake")
-        inventory = write_inventory(base, hosts, write_fixtures(base))
-        suffix = " (fake facts)" if fake_facts else ""
-        if "ping" in phases:
-            ping = [str(VENV_BIN / "ansible"), "rdma_nodes", "-i", str(inventory), "-m", "ansible.builtin.ping"]
-            figures.append(run("ping", ping, hosts, env))
-        if "deploy" in phases or "verify" in phases:
-            # What site.yml keeps in memory between its plays, kept on disk between the phases.
-            env.update(ANSIBLE_CACHE_PLUGIN="jsonfile", ANSIBLE_CACHE_PLUGIN_CONNECTION=str(base / "facts"))
-        if "validate" in phases:
-            validate = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "validate.yml")]
-            figures.append(run("validate" + suffix, [*validate, "-e", "rdma_validation_enforce=false"], hosts, env))
-            report = json.loads((base / "report" / "rdma-validation.json").read_text())
-            if report["total"] != hosts:
-                raise SystemExit(f"the report lists {report['total']} hosts, not {hosts}")
-            counts = {k: len(v) if isinstance(v, list) else v for k in REPORT_KEYS for v in [report[k]]}
-            print(f"validate report: {counts}", flush=True)
-        cluster = ["-e", "rdma_deploy_target=cluster"]
-        if "deploy" in phases:
-            deploy = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "deploy.yml"), *cluster]
-            deploy += ["-e", "plugin_deploy_render_only=true", "-e", f"plugin_deploy_values_dir={base / 'values'}"]
-            deploy += ["-e", f"plugin_deploy_manifests_dir={base / 'manifests'}"]
-            figures.append(run("deploy (render only)" + suffix, deploy, hosts, env))
-            if not list((base / "manifests").glob("*.yaml")):
-                raise SystemExit("deploy rendered no manifests")
-        if "verify" in phases:
-            kubeconfig = base / "emulator" / "kubeconfig"
-            emulator = [sys.executable, str(ROOT / "scripts" / "kube-emulator.py")]
-            start = ["start", "--port", str(free_port()), "--kubeconfig", str(kubeconfig)]
-            subprocess.run([*emulator, *start], check=True, stdout=subprocess.DEVNULL)
-            try:
-                seed_cluster(kubeconfig, hosts)
-                verify = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "verify.yml"), *cluster]
-                verify += ["-e", f"rdma_kubeconfig={kubeconfig}", "-e", "plugin_verify_timeout=4"]
-                figures.append(run("verify (API emulator)" + suffix, verify, hosts, env, ok_rc=(0,)))
-            finally:
-                stop = ["stop", "--kubeconfig", str(kubeconfig)]
-                subprocess.run([*emulator, *stop], check=True, stdout=subprocess.DEVNULL)
+        nodes = write_fixtures(base)
+        broken = {f"node-{i:05d}" for i in range(hosts) if fixture_of(i, nodes) != nodes[0]}
+        cluster = None
+        if "validate" in phases or "verify" in phases:
+            print(f"seeding the API emulator with {hosts} nodes", flush=True)
+            cluster = Emulator(base, hosts, broken)
+        try:
+            inventory = write_inventory(base, hosts, nodes, cluster.kubeconfig if cluster else None)
+            suffix = " (fake facts)" if fake_facts else ""
+            if "ping" in phases:
+                ping = [str(VENV_BIN / "ansible"), "rdma_nodes", "-i", str(inventory), "-m", "ansible.builtin.ping"]
+                figures.append(run("ping", ping, hosts, env, base / "ping.log")[0])
+            if "deploy" in phases or "verify" in phases:
+                # What site.yml keeps in memory between its plays, kept on disk between the phases.
+                env.update(ANSIBLE_CACHE_PLUGIN="jsonfile", ANSIBLE_CACHE_PLUGIN_CONNECTION=str(base / "facts"))
+            if "validate" in phases:
+                validate = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "validate.yml")]
+                validate += ["-e", "rdma_validation_enforce=false"]
+                figures.append(run("validate" + suffix, validate, hosts, env, base / "validate.log")[0])
+                check_validate(base, hosts, broken, cluster)
+            if "deploy" in phases:
+                deploy = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "deploy.yml")]
+                deploy += ["-e", "plugin_deploy_render_only=true"]
+                figures.append(run("deploy (render only)" + suffix, deploy, hosts, env, base / "deploy.log")[0])
+                if not list((base / "out" / "manifests").glob("*.yaml")):
+                    raise SystemExit("deploy rendered no manifests")
+            if "verify" in phases and cluster is not None:
+                before = cluster.counts().get("list nodes", 0)
+                verify = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "verify.yml")]
+                verify += ["-e", "plugin_verify_timeout=4"]
+                log = base / "verify.log"
+                figure, rc = run("verify (API emulator)" + suffix, verify, hosts, env, log, ok_rc=(0, 2))
+                figures.append(figure)
+                check_verify(base / "verify.log", rc, hosts, broken, cluster.counts().get("list nodes", 0) - before)
+        finally:
+            if cluster is not None:
+                cluster.stop()
     return figures
+
+
+def check_validate(base: Path, hosts: int, broken: set[str], cluster: Emulator | None) -> None:
+    report = json.loads((base / "out" / "validation" / "rdma-validation.json").read_text())
+    if report["total"] != hosts:
+        raise SystemExit(f"the report lists {report['total']} hosts, not {hosts}")
+    counts = {k: len(v) if isinstance(v, list) else v for k in REPORT_KEYS for v in [report[k]]}
+    print(f"validate report: {counts}", flush=True)
+    if cluster is not None:
+        labels = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}).get("rdma.lingjun.io/validated")
+                  for n in cluster.request("GET", "/api/v1/nodes")["items"]}  # fmt: skip
+        wrong = [n for n, v in labels.items() if v != ("false" if n in broken else "true")]
+        if wrong:
+            raise SystemExit(f"validate labelled {len(wrong)} node(s) wrongly, e.g. {wrong[:5]}")
+        print(f"validate labels: {len(labels) - len(broken)} validated=true, {len(broken)} =false", flush=True)
+
+
+def check_verify(log: Path, rc: int, hosts: int, broken: set[str], lists: int) -> None:
+    """Exactly the hosts kept off by gating failed, and the node list was read once per poll."""
+    text = log.read_text()
+    polls = re.search(r"after (\d+) poll", text)
+    failed = set(re.findall(r"^fatal: \[(node-\d+)\]", text, flags=re.M))
+    if (rc == 2) != bool(broken) or failed != broken or not polls:
+        raise SystemExit(f"verify: rc {rc}, {len(failed)} failed hosts, expected {len(broken)}; see {log}")
+    pages = math.ceil(hosts / PAGE)
+    if lists != int(polls[1]) * pages:
+        raise SystemExit(f"verify listed the nodes {lists} times ({pages} page(s) each) in {polls[1]} poll(s)")
+    print(f"verify: {polls[1]} poll(s), {lists} node-list request(s) of {pages} page(s) each: one list per poll; "
+          f"{len(failed)} host(s) failed, exactly those kept off by gating", flush=True)  # fmt: skip
 
 
 def table(figures: list[Figure]) -> str:
@@ -271,8 +325,9 @@ def write_results(text: str, forks: int, fake_facts: bool) -> None:
         "Each host's node read replaced by the real module's result for its fixture node (`bench/fleet_plugins/`);\n"
         "the rest of validate.yml real. Goal: the largest process of the run under 500 MB at 5000 hosts."
         if fake_facts
-        else "Goal: validate per host <= 1.5x ping per host at 100-200 hosts; 1000 hosts in under 4 min on a quiet\n"
-        "machine. The machine is shared: compare the load average column before comparing runs."
+        else "Goal: validate and verify per host <= 1.5x ping per host (2000 hosts); verify makes one node list per\n"
+        "poll (checked from the emulator's request counts). The machine is shared: compare the load average column\n"
+        "before comparing runs."
     )
     section = (
         f"{heading}\n\n`bench/fleet.py`, forks {forks}, `ansible_connection: local`, fixture nodes (1 in 10 broken).\n"
@@ -298,10 +353,12 @@ def main() -> None:
         help="validate with the rdma_node_info stand-in (bench/fleet_plugins): controller memory at 5000 hosts",
     )
     parser.add_argument("--write-results", action="store_true", help="write the table into bench/RESULTS.md")
+    parser.add_argument("--keep", type=Path, help="work in this directory and keep it (logs, report, inventory)")
     args = parser.parse_args()
     figures: list[Figure] = []
     for hosts in args.hosts or [120]:
-        figures += bench(hosts, args.forks, args.phase or list(PHASES), args.fake_facts)
+        keep = args.keep / str(hosts) if args.keep else None
+        figures += bench(hosts, args.forks, args.phase or list(PHASES), args.fake_facts, keep)
         print(table(figures), flush=True)
     if args.write_results:
         write_results(table(figures), args.forks, args.fake_facts)

@@ -19,7 +19,7 @@ def _report(base: Path, fake: bool) -> dict[str, object]:
     if fake:
         (base / "fake").mkdir()
         env = {
-            "ANSIBLE_ACTION_PLUGINS": f"{fleet.FAKE_PLUGINS}:{ROOT / 'action_plugins'}",
+            "ANSIBLE_COLLECTIONS_PATH": f"{fleet.fake_collection(base)}:{ROOT / 'collections'}",
             "RDMA_FLEET_FAKE_CACHE": str(base / "fake"),
         }
     run = run_playbook(
@@ -28,7 +28,7 @@ def _report(base: Path, fake: bool) -> dict[str, object]:
     assert run.returncode == 0, run.stdout + run.stderr
     if fake:  # the real module ran once per fixture node the 12 hosts use (healthy, port down, fw), not per host
         assert len(list((base / "fake").glob("*.json"))) == 3
-    report: dict[str, object] = json.loads((base / "report" / "rdma-validation.json").read_text())
+    report: dict[str, object] = json.loads((base / "out" / "validation" / "rdma-validation.json").read_text())
     return report
 
 

@@ -162,6 +162,8 @@ def verdict(want, seen, cluster):
         expected, why = int(want.nics), "one per NIC, %s" % want.nics_source if want.nics_source else "one per NIC"
     cap, alloc = seen.get("capacity"), seen.get("allocatable")
     q = format_quantity(expected)
+    # Gating keeps the plugin off a node not labelled validated: waiting cannot change that.
+    gated = cluster.validation_required and seen.get("validated") != "true" and cap is None
     if parse_quantity(cap) == expected and parse_quantity(alloc) == expected:
         return Verdict(
             True,
@@ -174,7 +176,7 @@ def verdict(want, seen, cluster):
         False,
         "node %s (%s mode) shows capacity %s=%s, allocatable %s=%s; expected %s for both (%s). Next: %s"
         % (named, mode, res, _shown(cap), res, _shown(alloc), q, why, _next_step(want, seen, cluster, expected)),
-        final=False,
+        final=gated,
         mode=mode,
         expected=expected,
     )

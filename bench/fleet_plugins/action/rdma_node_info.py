@@ -6,9 +6,10 @@ arguments gets that result with its own ``record_host`` (the only per-host argum
 So each host's task result is exactly what rdma_node_info returned for its fixture node,
 without a module process per host; the templating of the task's arguments, the result
 processing on the controller (register, facts) and every other task of the play stay real.
-Enabled only by ``ANSIBLE_ACTION_PLUGINS`` pointing here (an action plugin named like a module
-replaces the module's action: ansible-core lib/ansible/executor/task_executor.py,
-TaskExecutor._get_action_handler_with_module_context).
+Enabled only by bench/fleet.py's shadow of the lingjun.rdma collection (``fake_collection``: the
+repository's collection with this file as plugins/action/rdma_node_info.py, first on
+ANSIBLE_COLLECTIONS_PATH): an action plugin named like a module replaces the module's action
+(ansible-core lib/ansible/executor/task_executor.py, TaskExecutor._get_action_handler_with_module_context).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ansible-core ships no t
             text = cache.read_text()
         except FileNotFoundError:
             module_args = {**args, "record_host": PLACEHOLDER} if host is not None else args
-            got = self._execute_module(module_name="rdma_node_info", module_args=module_args, task_vars=task_vars)
+            got = self._execute_module(
+                module_name="lingjun.rdma.rdma_node_info", module_args=module_args, task_vars=task_vars
+            )
             self._remove_tmp_path(self._connection._shell.tmpdir)
             text = json.dumps(got, default=str)
             partial = cache.with_suffix(f".{os.getpid()}")
