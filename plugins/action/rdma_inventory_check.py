@@ -5,9 +5,11 @@ any node is read.
 The roles' meta/argument_specs.yml are the source of truth; this checks the values every inventory
 host gives (group_vars, host_vars and -e, as Ansible resolves them) against the specs of the roles a
 playbook runs, once per distinct set of values (2000 hosts sharing group_vars cost one check), plus
-the few checks a spec cannot say (absolute node roots, positive expectations). Every problem is
-listed in one failure that names the variable, the value, where it comes from (-e or the hosts) and
-the fix; nothing has touched a node or the cluster yet.
+the few checks a spec cannot say (absolute node roots, positive expectations), and that the node
+hosts resolve the cluster-wide variables (``agree``: deploy target, kubeconfig, release) as the
+controller does, since the controller plays act on the controller's values. Every problem is listed
+in one failure that names the variable, the value, where it comes from (-e or the hosts) and the
+fix; nothing has touched a node or the cluster yet.
 """
 
 from __future__ import annotations
@@ -130,6 +132,19 @@ class ActionModule(ActionBase):
             got = dict((n, self._templar.template(task_vars[n])) for n in specs if n in task_vars)
             groups[json.dumps(got, sort_keys=True, default=str)] = (["the controller"], got)
         found = []
+        for name in args.get("agree") or []:
+            mine = self._templar.template(task_vars.get(name)) if name in task_vars else None
+            odd = {}
+            for host in hosts:
+                theirs = values.get(host, name)
+                if theirs is not MISSING and str(theirs) != str(mine):
+                    odd.setdefault(str(theirs), []).append(host)
+            for value, who in sorted(odd.items()):
+                found.append(
+                    "%s=%s on %s, but %s on the controller, whose plays act for the whole cluster (set it in "
+                    "group_vars/all.yml or with -e, not per host or node group)"
+                    % (name, value, self._hosts_text(who, len(hosts)), mine if mine not in (None, "") else '""')
+                )
         for host_list, got in groups.values():
             for name in sorted(got):
                 for problem in problems(name, specs[name], got[name]):

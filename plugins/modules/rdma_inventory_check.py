@@ -21,6 +21,11 @@ options:
   hosts: {description: Inventory hosts to check (the node group; empty checks the controller's own values)., type: list, elements: str, default: []}
   roles: {description: Roles whose C(main) argument spec applies., type: list, elements: str, default: []}
   options: {description: Further options (argument spec format) the playbook itself takes., type: dict, default: {}}
+  agree:
+    description: Variables every node host must resolve as the controller does (the controller plays use its values).
+    type: list
+    elements: str
+    default: []
 """
 
 EXAMPLES = r"""
