@@ -77,7 +77,8 @@ def test_report_takes_each_hosts_fact_and_read_without_echoing_them(tmp_path: Pa
 def test_report_refuses_results_and_fact_together(tmp_path: Path) -> None:
     (tmp_path / "play.yml").write_text(
         "- hosts: localhost\n  gather_facts: false\n  tasks:\n"
-        "    - lingjun.rdma.rdma_validation_report: {dest: " + str(tmp_path) + ", hosts: [a], results: {a: null}, fact: f}\n"
+        "    - lingjun.rdma.rdma_validation_report:\n"
+        "        {dest: " + str(tmp_path) + ", hosts: [a], results: {a: null}, fact: f}\n"
     )
     run = run_playbook("-i", "localhost,", "-c", "local", str(tmp_path / "play.yml"))
     assert run.returncode != 0

@@ -1,0 +1,93 @@
+"""The collection's pure fleet logic (plugins/module_utils/rdma_fleet.py): quantities as node status
+shows them, DaemonSet rollout waves and the deadline that scales with them, the verdict of one node
+from its current mode label, and the validation report's rollup."""
+
+from __future__ import annotations
+
+import pytest
+from ansible_collections.lingjun.rdma.plugins.module_utils import rdma_fleet as fleet
+
+
+@pytest.mark.parametrize(
+    "text,n", [("1k", 1000), ("4", 4), ("1Ki", 1024), ("0", 0), ("", None), (None, None), ("x", None)]
+)
+def test_quantities(text: str | None, n: int | None) -> None:
+    assert fleet.parse_quantity(text) == n
+
+
+def test_canonical_quantity() -> None:
+    assert [fleet.format_quantity(n) for n in (1000, 1500, 4, 2000000)] == ["1k", "1500", "4", "2M"]
+
+
+@pytest.mark.parametrize(
+    "value,nodes,count,waves",
+    [("10%", 2000, 200, 10), ("10%", 5, 1, 5), ("25%", 4, 1, 4), (1, 3, 1, 3), ("3", 10, 3, 4), ("100%", 7, 7, 1)],
+)
+def test_rollout_waves(value: object, nodes: int, count: int, waves: int) -> None:
+    # percentages round up, as apps/v1 DaemonSet maxUnavailable does; never below one node
+    assert fleet.max_unavailable_nodes(value, nodes) == count
+    assert fleet.rollout_waves(nodes, value) == waves
+    assert fleet.rollout_seconds(nodes, value, 60, 30) == 60 + 30 * waves
+
+
+def test_bad_max_unavailable_is_refused() -> None:
+    with pytest.raises(ValueError, match="neither a whole number nor a percentage"):
+        fleet.max_unavailable_nodes("ten", 10)
+
+
+CLUSTER = fleet.Cluster(validation_required=True, report="out/prod/validation/rdma-validation.json")
+
+
+def _seen(mode: str | None, cap: str | None, alloc: str | None, validated: str | None = "true") -> dict[str, object]:
+    return {"mode": mode, "capacity": cap, "allocatable": alloc, "validated": validated, "unschedulable": False}
+
+
+def test_verdict_follows_the_current_mode_label() -> None:
+    want = fleet.Want("gpu-a03", "gpu-a03", nics=4, nics_source="validated on 2025-06-01")
+    ok = fleet.verdict(want, _seen("exclusive", "4", "4"), CLUSTER)
+    assert ok.ok and ok.msg.startswith("node gpu-a03 (exclusive mode) advertises rdma/hca capacity 4")
+    # the same node unlabelled is shared: 1k expected
+    bad = fleet.verdict(want, _seen(None, "4", "4"), CLUSTER)
+    assert not bad.ok and "(shared mode) shows capacity rdma/hca=4" in bad.msg and "expected 1k" in bad.msg
+
+
+def test_verdict_messages_name_the_next_step() -> None:
+    want = fleet.Want("gpu-a02", "gpu-a02")
+    down = fleet.verdict(want, _seen("shared", "1k", "0"), CLUSTER)
+    assert not down.ok and not down.final and "a NIC port left ACTIVE" in down.msg
+    gated = fleet.verdict(want, _seen("shared", None, None, validated="false"), CLUSTER)
+    assert gated.final and "rdma.lingjun.io/validated=false" in gated.msg and CLUSTER.report in gated.msg
+    unknown = fleet.verdict(fleet.Want("h", "gpu-x"), _seen("exclusive", "4", "4"), CLUSTER)
+    assert unknown.final and "NIC count is unknown" in unknown.msg and "(inventory host h)" in unknown.msg
+    missing = fleet.verdict(want, None, CLUSTER)
+    assert missing.final and "is not in the cluster" in missing.msg and "rdma_k8s_node_name" in missing.msg
+    odd = fleet.verdict(want, _seen("fast", "1k", "1k"), CLUSTER)
+    assert odd.final and "neither shared nor exclusive" in odd.msg
+
+
+def _entry(passed: bool, fw: list[str], gid: dict[str, int], failed: tuple[str, ...] = ()) -> dict[str, object]:
+    checks = [{"name": n, "passed": False} for n in failed] + [{"name": "rdma_cm", "passed": True}]
+    return {
+        "validated": True,
+        "passed": passed,
+        "checks": checks,
+        "summary": {"firmware": fw, "driver_version": "24.10-1.1.4", "nic_count": 4, "roce_v2_gid_index": gid},
+    }
+
+
+def test_rollup_counts_versions_and_drift() -> None:
+    nodes = {
+        "a": _entry(True, ["28.39.1002"], {"mlx5_bond_0": 3}),
+        "b": _entry(True, ["28.39.1002"], {"mlx5_bond_0": 3}),
+        "c": _entry(False, ["28.39.1002", "28.41.1000"], {"mlx5_bond_0": 5}, ("firmware_consistent", "port_state")),
+        "d": {"validated": False, "passed": False, "checks": [], "summary": {}},
+    }
+    r = fleet.rollup(nodes)
+    assert (r["total"], r["passed"], r["failed"], r["not_validated"]) == (4, 2, 1, 1)
+    assert r["top_failing_checks"][0] == {"check": "firmware_consistent", "nodes": 1, "hosts": ["c"]}
+    facets = {f["title"]: f for f in r["facets"]}
+    assert facets["firmware"]["values"] == [("28.39.1002", 3), ("28.41.1000", 1)] and facets["firmware"]["odd"] == ["c"]
+    assert facets["RoCE v2 GID index"]["odd"] == ["c"] and facets["driver (mlx5_core / OFED)"]["odd"] == []
+    assert "kernel" not in facets  # not reported by the node read: no column
+    md = fleet.rollup_markdown(r)
+    assert "| RoCE v2 GID index | 3 (2), 5 (1) | DRIFT: c" in md and "['" not in md
