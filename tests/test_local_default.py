@@ -1,0 +1,122 @@
+"""The local default cleans up after itself and shares the machine: every process is recorded the
+moment it starts, a failed start (the metrics port is taken) stops what it started and leaves no
+simulator behind however often it is retried, stopping ends whatever is recorded, the metrics port
+is a free one unless one is set (kept across runs), and a second kubelet simulator on one
+directory refuses to start. Each test deploys into its own directory (real plugin, real simulator)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import BIN, run_playbook
+
+
+def _processes(marker: str) -> list[int]:
+    """Pids of the live processes whose command line mentions ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z" and "pytest" not in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Iterator[Path]:
+    """An inventory of the local target in its own short directory (unix socket paths < 108 bytes)."""
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"rdp-loc-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    node = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    vars_ = {
+        "rdma_deploy_target": "local",
+        "rdma_local_dir": str(work),
+        "rdma_sysfs_root": f"{work}/node/sys",
+        "rdma_procfs_root": f"{work}/node/proc",
+        "rdma_dev_root": f"{work}/node/dev",
+        "rdma_metrics_enabled": True,
+    }
+    inventory = tmp_path / "local-copy" / "hosts.yml"
+    inventory.parent.mkdir()
+    inventory.write_text(
+        yaml.safe_dump({"all": {"vars": vars_, "children": {"rdma_nodes": {"hosts": {"node": node}}}}})
+    )
+    try:
+        yield inventory
+    finally:
+        run_playbook("playbooks/uninstall.yml", "-i", str(inventory))
+        for pid in _processes(str(work)):
+            os.kill(pid, 9)
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+
+
+def _work(inventory: Path) -> str:
+    return str(yaml.safe_load(inventory.read_text())["all"]["vars"]["rdma_local_dir"])
+
+
+def test_a_failed_start_leaves_nothing_running(local: Path) -> None:
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for _attempt in (1, 2, 3):  # retries must not pile up simulators
+            result = run_playbook(
+                "playbooks/deploy.yml", "-i", str(local),
+                "-e", f"plugin_deploy_local_metrics_port={port}", "-e", f"rdma_metrics_port={port}",
+            )  # fmt: skip
+            out = " ".join(result.stdout.split())
+            assert result.returncode != 0, out[-2000:]
+            assert f"127.0.0.1:{port}" in out and "plugin_deploy_local_metrics_port" in out, out[-2000:]
+            assert _processes(_work(local)) == [], "a failed start left processes running"
+            assert not Path(_work(local), "run", "local-plugin.json").exists()
+
+
+def test_free_metrics_port_kept_across_runs_and_stopped(local: Path) -> None:
+    first = run_playbook("playbooks/deploy.yml", "-i", str(local))
+    assert first.returncode == 0, first.stdout[-3000:]
+    state = json.loads(Path(_work(local), "run", "local-plugin.json").read_text())
+    address = state["metrics_address"]
+    assert address.startswith("127.0.0.1:") and address != "127.0.0.1:9410"
+    assert f"metrics: http://{address}/metrics" in first.stdout
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        assert b"rdma_dp_build_info" in resp.read()
+    again = run_playbook("playbooks/deploy.yml", "-i", str(local))
+    assert again.returncode == 0 and "changed=0" in again.stdout, again.stdout[-2000:]
+    assert json.loads(Path(_work(local), "run", "local-plugin.json").read_text())["metrics_address"] == address
+    assert len(_processes(_work(local))) == 2  # the simulator and the plugin, once each
+    stop = run_playbook("playbooks/uninstall.yml", "-i", str(local))
+    assert stop.returncode == 0, stop.stdout[-2000:]
+    assert _processes(_work(local)) == []
+
+
+def test_a_second_simulator_on_one_directory_refuses(tmp_path: Path) -> None:
+    run = [str(BIN / "python"), "-m", "rdma_device_plugin.sim_cli", "run", "--dir", str(tmp_path / "dp")]
+    first = subprocess.Popen([*run, "--status-file", str(tmp_path / "a.json")])
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "a.json").exists():
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.05)
+        second = subprocess.run(
+            [*run, "--status-file", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=60
+        )
+        assert second.returncode == 2
+        assert f"another kubelet simulator (pid {first.pid}) serves {tmp_path / 'dp'}" in second.stderr
+    finally:
+        first.terminate()
+        first.wait(timeout=30)
