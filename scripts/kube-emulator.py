@@ -182,6 +182,14 @@ def bad_request(message: str) -> ApiError:
     return ApiError(400, "BadRequest", message)
 
 
+def budget_refusal(cause: str, retry_after: int = 0) -> ApiError:
+    """The 429 of an eviction a PodDisruptionBudget refuses, with its DisruptionBudget cause."""
+    details: dict[str, Any] = {"causes": [{"reason": "DisruptionBudget", "message": cause}]}
+    if retry_after:
+        details["retryAfterSeconds"] = retry_after
+    return ApiError(429, "TooManyRequests", PDB_MESSAGE, details)
+
+
 def format_quantity(n: int) -> str:
     for suffix, factor in (("M", 10**6), ("k", 10**3)):
         if n and n % factor == 0:
@@ -911,20 +919,7 @@ def build_emulator(args: argparse.Namespace) -> Any:
             status = pdb.get("status") or {}
             name = pdb["metadata"]["name"]
             if int(status.get("observedGeneration", 0)) < int(pdb["metadata"].get("generation", 1)):
-                raise ApiError(
-                    429,
-                    "TooManyRequests",
-                    PDB_MESSAGE,
-                    {
-                        "causes": [
-                            {
-                                "reason": "DisruptionBudget",
-                                "message": f"The disruption budget {name} is still being processed by the server.",
-                            }
-                        ],
-                        "retryAfterSeconds": 10,
-                    },
-                )
+                raise budget_refusal(f"The disruption budget {name} is still being processed by the server.", 10)
             allowed = int(status.get("disruptionsAllowed", 0))
             if allowed < 0:
                 raise ApiError(
@@ -934,20 +929,7 @@ def build_emulator(args: argparse.Namespace) -> Any:
                 )
             if allowed == 0:
                 need, have = status.get("desiredHealthy", 0), status.get("currentHealthy", 0)
-                cause = f"The disruption budget {name} needs {need} healthy pods and has {have} currently"
-                raise ApiError(
-                    429,
-                    "TooManyRequests",
-                    PDB_MESSAGE,
-                    {
-                        "causes": [
-                            {
-                                "reason": "DisruptionBudget",
-                                "message": cause,
-                            }
-                        ]
-                    },
-                )
+                raise budget_refusal(f"The disruption budget {name} needs {need} healthy pods and has {have} currently")
             if dry_run:
                 return
             stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -27,7 +27,7 @@ from ansible.module_utils.common.validation import (
     check_type_list,
 )
 from ansible.plugins.action import ActionBase
-from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import MISSING, Hosts
+from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import MISSING, Hosts, differing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ABSOLUTE = ("rdma_sysfs_root", "rdma_procfs_root", "rdma_dev_root")
@@ -134,12 +134,7 @@ class ActionModule(ActionBase):
         found = []
         for name in args.get("agree") or []:
             mine = self._templar.template(task_vars.get(name)) if name in task_vars else None
-            odd = {}
-            for host in hosts:
-                theirs = values.get(host, name)
-                if theirs is not MISSING and str(theirs) != str(mine):
-                    odd.setdefault(str(theirs), []).append(host)
-            for value, who in sorted(odd.items()):
+            for value, who in sorted(differing(values, hosts, name, mine).items()):
                 found.append(
                     "%s=%s on %s, but %s on the controller, whose plays act for the whole cluster (set it in "
                     "group_vars/all.yml or with -e, not per host or node group)"

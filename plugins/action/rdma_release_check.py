@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from ansible.plugins.action import ActionBase
-from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import MISSING, Hosts, read_report, report_path
+from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import Hosts, differing, read_report, report_path
 
 
 def ipv6_failures(entry):
@@ -40,14 +40,7 @@ class ActionModule(ActionBase):
         differ = []
         for name in names:
             mine = self._templar.template(task_vars.get(name)) if name in task_vars else None
-            odd = {}
-            for host in hosts:
-                theirs = values.get(host, name)
-                if theirs is not MISSING and json.dumps(theirs, sort_keys=True, default=str) != json.dumps(
-                    mine, sort_keys=True, default=str
-                ):
-                    odd.setdefault(json.dumps(theirs, default=str), []).append(host)
-            for value, who in sorted(odd.items()):
+            for value, who in sorted(differing(values, hosts, name, mine).items()):
                 shown = ", ".join(who[:5]) + (" and %d more" % (len(who) - 5) if len(who) > 5 else "")
                 differ.append("%s=%s on %s (the release gets %s)" % (name, value, shown, json.dumps(mine, default=str)))
         report = report_path(args.get("report_dir") or "")

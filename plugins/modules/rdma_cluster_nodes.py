@@ -16,15 +16,8 @@ description:
     (the controller). Read-only, supports check mode.
 version_added: "0.3.0"
 author: rdma-device-plugin maintainers
+extends_documentation_fragment: [lingjun.rdma.rdma_k8s]
 options:
-  kubeconfig:
-    description: Kubeconfig (C(rdma_kubeconfig)); empty means the client's default.
-    type: str
-    default: ""
-  context:
-    description: Kubeconfig context (C(rdma_kube_context)); empty means the current one.
-    type: str
-    default: ""
   label_selector:
     description: Label selector of the node list (e.g. C(node-role.kubernetes.io/gpu)); empty lists every node.
     type: str

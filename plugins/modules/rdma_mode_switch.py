@@ -21,6 +21,7 @@ description:
     budget shows, and the result says what the switch would do.
 version_added: "0.3.0"
 author: rdma-device-plugin maintainers
+extends_documentation_fragment: [lingjun.rdma.rdma_k8s]
 options:
   node: {description: Kubernetes node name., type: str, required: true}
   to: {description: The mode to switch to., type: str, required: true, choices: [shared, exclusive]}
@@ -33,8 +34,6 @@ options:
   timeout: {description: Seconds to wait for the new shape., type: int, default: 120}
   poll_interval: {description: Seconds between two reads of the node., type: int, default: 2}
   drain_timeout: {description: Seconds to wait for the evicted pods to be gone., type: int, default: 120}
-  kubeconfig: {description: Kubeconfig (C(rdma_kubeconfig))., type: str, default: ""}
-  context: {description: Kubeconfig context (C(rdma_kube_context))., type: str, default: ""}
 """
 
 EXAMPLES = r"""

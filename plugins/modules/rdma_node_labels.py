@@ -18,15 +18,8 @@ description:
     C(rdma.lingjun.io/validated-at); C(playbooks/uninstall.yml) to remove them and the mode label.
 version_added: "0.3.0"
 author: rdma-device-plugin maintainers
+extends_documentation_fragment: [lingjun.rdma.rdma_k8s]
 options:
-  kubeconfig:
-    description: Kubeconfig (C(rdma_kubeconfig)); empty means the client's default.
-    type: str
-    default: ""
-  context:
-    description: Kubeconfig context (C(rdma_kube_context)); empty means the current one.
-    type: str
-    default: ""
   nodes:
     description: Node name -> C({labels, annotations}), each a mapping of key to value (null removes the key).
     type: dict

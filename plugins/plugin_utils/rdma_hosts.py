@@ -47,6 +47,17 @@ class Hosts(object):
         return str(value) if value else host
 
 
+def differing(values, hosts, name, mine):
+    """{value: [hosts]} of the hosts whose ``name`` (as they resolve it) differs from ``mine``."""
+    want = json.dumps(mine, sort_keys=True, default=str)
+    odd = {}
+    for host in hosts:
+        theirs = values.get(host, name)
+        if theirs is not MISSING and json.dumps(theirs, sort_keys=True, default=str) != want:
+            odd.setdefault(json.dumps(theirs, sort_keys=True, default=str), []).append(host)
+    return odd
+
+
 def read_report(path):
     """The nodes of a previous validation report (``rdma-validation.json``), {} when there is none."""
     try:
