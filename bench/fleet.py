@@ -156,6 +156,7 @@ def run(
     )
     wall = time.monotonic() - start
     got = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{phase}: {wall:.1f} s wall, {got['cpu']:.1f} s CPU over {hosts} hosts (rc {got['rc']})", flush=True)
     if got["rc"] not in ok_rc:  # validate: 2/4, failed/unreachable hosts are part of the fixture fleet
         raise SystemExit(f"{phase} exited {got['rc']}: {' '.join(argv)}; see {log}:\n{log.read_text()[-3000:]}")
     return Figure(hosts, phase, wall, got["cpu"], got["rss_kb"] / 1024, (load[0], load[1], load[2])), got["rc"]

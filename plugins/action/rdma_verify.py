@@ -8,12 +8,16 @@ with the expected numbers from the node's current mode label (exclusive: its NIC
 run's validation facts, else the inventory's last report, else rdma_nic_count /
 rdma_nic_validate_expected_nics). A progress line is printed (on stderr, so that a machine-readable
 stdout callback stays parseable) at every poll that changes the count.
-The verdicts are returned as the fact rdma_verify_verdicts ({host: {ok, msg}}), so that each node
-host's own task in the next play fails with its own message.
+Every host's verdict ({ok, msg, final, mode, expected}) is written to ``verdicts_dir/<host>.json``
+(the inventory's out/<inventory>/verify/), so that each node host's own task in the next play
+reads its own small file and fails with its own message: a fact of the controller holding every
+verdict would be templated again for every host (quadratic at fleet scale).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 from ansible.errors import AnsibleActionFail
@@ -49,6 +53,9 @@ class ActionModule(ActionBase):
         settle = float(args.pop("settle", 30))
         max_unavailable = args.pop("max_unavailable", 1)
         report_dir = args.pop("report_dir", "")
+        verdicts_dir = args.pop("verdicts_dir", "")
+        if not verdicts_dir:
+            raise AnsibleActionFail("rdma_verify: verdicts_dir (where each host's verdict is written) is empty")
         cluster = Cluster(
             resource=args.get("resource_name", "rdma/hca"),
             mode_label_key=args.get("mode_label_key", "rdma.lingjun.io/mode"),
@@ -119,9 +126,11 @@ class ActionModule(ActionBase):
             problems.append("no DaemonSet of release %s in namespace %s (deploy first)" % (cluster.release, cluster.namespace))
         elif check_daemonsets and not rollout_done:
             problems.append("the rollout did not finish within %ds: %s" % (deadline_s, rollout_text(daemonsets)))
+        write_verdicts(verdicts_dir, verdicts)
         result.update(
             changed=False,
-            ansible_facts={"rdma_verify_verdicts": dict((h, v.to_dict()) for h, v in verdicts.items())},
+            verdicts_dir=verdicts_dir,
+            failed_messages=[verdicts[h].msg for h in failed[:50]],
             passed=len(hosts) - len(failed),
             failed_nodes=failed,
             polls=polls,
@@ -136,3 +145,16 @@ class ActionModule(ActionBase):
                if failed else "", "; " + "; ".join(problems) if problems else ""),
         )
         return result
+
+
+def write_verdicts(directory, verdicts):
+    """One small JSON file per host (the previous run's are removed first: no stale verdict)."""
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):
+        if name.endswith(".json"):
+            os.unlink(os.path.join(directory, name))
+    for host, v in verdicts.items():
+        tmp = os.path.join(directory, ".%s.json.tmp" % host)
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(v.to_dict(), fh)
+        os.replace(tmp, os.path.join(directory, "%s.json" % host))

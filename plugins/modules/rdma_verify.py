@@ -18,8 +18,8 @@ description:
     I(settle) seconds, or a deadline that scales with the fleet passes
     (I(timeout) + I(timeout_per_wave) x the rollout waves of I(max_unavailable)); prints a progress line
     (C(812 of 2000 nodes advertise rdma/hca as expected; rollout ...)) whenever the count changes.
-  - Sets the fact C(rdma_verify_verdicts) (host -> {ok, msg, final, mode, expected}); each node's own task
-    then fails with its own message. Never prints a Node object.
+  - Writes every host's verdict ({ok, msg, final, mode, expected}) to I(verdicts_dir)C(/<host>.json); each
+    node's own task then reads its file and fails with its own message. Never prints a Node object.
 version_added: "0.3.0"
 author: rdma-device-plugin maintainers
 options:
@@ -37,6 +37,7 @@ options:
   daemonsets: {description: Follow the release's DaemonSets (rollout progress and completeness)., type: bool, default: true}
   validation_required: {description: The chart keeps the plugin off nodes not labelled validated (said in messages)., type: bool, default: false}
   report_dir: {description: The inventory's validation report directory (NIC counts of nodes not validated in this run)., type: str, default: ""}
+  verdicts_dir: {description: Controller directory for one verdict file per host (its old files are removed first)., type: str, required: true}
   max_unavailable: {description: The DaemonSet's maxUnavailable (number or percentage) the deadline scales with., type: raw, default: 1}
   timeout: {description: Seconds of the deadline before the rollout waves., type: float, default: 60}
   timeout_per_wave: {description: Seconds added per rollout wave., type: float, default: 30}
@@ -49,13 +50,15 @@ EXAMPLES = r"""
   lingjun.rdma.rdma_verify:
     hosts: "{{ groups['rdma_nodes'] }}"
     kubeconfig: "{{ rdma_kubeconfig }}"
+    verdicts_dir: out/prod/verify
 """
 
 RETURN = r"""
-ansible_facts:
-  description: C(rdma_verify_verdicts), host -> {ok, msg, final, mode, expected}.
+failed_messages:
+  description: The messages of the failed nodes (the first 50).
   returned: always
-  type: dict
+  type: list
+  elements: str
 failed_nodes:
   description: Inventory hosts whose node does not advertise what it should.
   returned: always
