@@ -13,7 +13,10 @@ from rdma_device_plugin.node.selectors import Selectors
 def test_class_entries_are_symlinks_into_devices(node: fixtures.FixtureNode) -> None:
     link = Path(node.sysfs, "class", "infiniband", "mlx5_bond_0")
     assert link.is_symlink()
-    assert "/devices/pci0000:00/" in os.path.realpath(link)
+    # host bridge -> root port -> switch upstream port -> downstream port -> the NIC's PF0
+    assert "/devices/pci0000:15/0000:15:01.0/0000:16:00.0/0000:17:02.0/0000:1a:00.0/infiniband/" in os.path.realpath(
+        link
+    )
     assert Path(link, "device").is_symlink()
 
 
@@ -92,9 +95,9 @@ def test_remove_and_port_states(node: fixtures.FixtureNode) -> None:
 
 
 def test_modules_and_netns(node: fixtures.FixtureNode, short_tmp: Path) -> None:
-    assert sysfs.loaded_modules(node.sysfs, ["mlx5_core", "nvidia_peermem"]) == {
+    assert sysfs.loaded_modules(node.sysfs, ["mlx5_core", "rdma_rxe"]) == {
         "mlx5_core": True,
-        "nvidia_peermem": False,
+        "rdma_rxe": False,
     }
     assert sysfs.module_version(node.sysfs, "mlx5_core") == "24.10-1.1.4"
     assert sysfs.netns_mode(node.sysfs) == "shared"

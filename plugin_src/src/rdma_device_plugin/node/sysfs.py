@@ -69,7 +69,8 @@ class Port:
     phys_state: str  # "LinkUp", "Disabled", ...
     link_layer: str  # "Ethernet" | "InfiniBand"
     rate: str  # "400 Gb/sec (4X NDR)"
-    gids: tuple[Gid, ...] = ()
+    gids: tuple[Gid, ...] = ()  # the non-empty entries of the GID table
+    gid_table_len: int = 0  # entries under gids/, empty ones included (ibv_port_attr.gid_tbl_len)
 
     @property
     def active(self) -> bool:
@@ -292,11 +293,14 @@ def rdma_cm(dev_root: str, sysfs_root: str = "/sys") -> CharDevice:
 # --------------------------------------------------------------------------- ports
 
 
-def _read_gids(port_dir: str) -> tuple[Gid, ...]:
+def _read_gids(port_dir: str) -> tuple[tuple[Gid, ...], int]:
+    """The non-empty GIDs of a port and the length of its GID table."""
     gids = []
+    table_len = 0
     for entry in _listdir(os.path.join(port_dir, "gids")):
         if not entry.isdigit():
             continue
+        table_len = max(table_len, int(entry) + 1)
         gid = read_text(os.path.join(port_dir, "gids", entry))
         if not gid or gid == ZERO_GID:
             continue
@@ -304,7 +308,7 @@ def _read_gids(port_dir: str) -> tuple[Gid, ...]:
         ndev = read_text(os.path.join(port_dir, "gid_attrs", "ndevs", entry)) or ""
         gids.append(Gid(int(entry), gid.lower(), gtype, ndev))
     gids.sort(key=lambda g: g.index)
-    return tuple(gids)
+    return tuple(gids), table_len
 
 
 def _read_ports(ibdev_dir: str) -> tuple[list[Port], list[str]]:
@@ -318,6 +322,7 @@ def _read_ports(ibdev_dir: str) -> tuple[list[Port], list[str]]:
         state = _coded(raw_state, PORT_STATES)
         if state == "UNKNOWN":
             problems.append(f"port {entry}: unreadable state {raw_state!r}")
+        gids, table_len = _read_gids(pdir)
         ports.append(
             Port(
                 number=int(entry),
@@ -325,7 +330,8 @@ def _read_ports(ibdev_dir: str) -> tuple[list[Port], list[str]]:
                 phys_state=_coded(read_text(os.path.join(pdir, "phys_state")), PHYS_STATES),
                 link_layer=read_text(os.path.join(pdir, "link_layer")) or "",
                 rate=read_text(os.path.join(pdir, "rate")) or "",
-                gids=_read_gids(pdir),
+                gids=gids,
+                gid_table_len=table_len,
             )
         )
     ports.sort(key=lambda p: p.number)
