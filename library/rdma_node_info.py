@@ -220,8 +220,9 @@ node:
         without the node's name. C(rdma_node_health) (from C(rdma_device_plugin.node.healthchecks),
         empty with I(health) false) rows are C({name, nic, netdev, gpu, passed, skipped, message,
         role}): C(skipped) true means not checked (the message says why; C(passed) is true so that
-        it fails no node, unless I(fail_not_checked)). A missing sysfs, procfs or dev root is one
-        failed C(node_roots) check and nothing else is read.
+        it fails no node, unless I(fail_not_checked)); an unexpected error of the health read is one
+        failed C(health_read) row and leaves the other roles' checks as they are. A missing sysfs,
+        procfs or dev root is one failed C(node_roots) check and nothing else is read.
       type: dict
     summary:
       description: >-
@@ -572,10 +573,20 @@ def main() -> None:
     if p["health"]:
         real = os.path.realpath(p["sysfs_root"]) == "/sys" and os.path.realpath(p["procfs_root"]) == "/proc"
         host_root = p["host_root"] or os.path.dirname(os.path.abspath(p["procfs_root"]))
-        health_read = healthchecks.read(
-            selected, p["sysfs_root"], p["procfs_root"], host_root, health_want, real, active_mtu=seen.active_mtu
-        )
-        health = healthchecks.check(health_read, health_want)
+        try:
+            health_read = healthchecks.read(
+                selected, p["sysfs_root"], p["procfs_root"], host_root, health_want, real, active_mtu=seen.active_mtu
+            )
+            health = healthchecks.check(health_read, health_want)
+        except Exception as exc:  # a reader bug must not cost the node its NIC and IPv6 checks
+            health_read = None
+            health = [
+                checks.Check(
+                    "health_read", "", "", False,
+                    f"the node-health read failed ({type(exc).__name__}: {exc})",
+                    "report it with this message; set health: false to validate without the node-health checks",
+                )
+            ]  # fmt: skip
 
     node: dict[str, Any] = {
         "sysfs_root": p["sysfs_root"],
@@ -611,7 +622,9 @@ def main() -> None:
                 "ipv6_addresses": [a.address for netdev in compute for a in netdevs[netdev].addresses],
                 "netns_mode": netns_mode,
             },
-            HEALTH: {"health": "not checked"} if health_read is None else healthchecks.summary(health_read, health),
+            HEALTH: healthchecks.summary(health_read, health)
+            if health_read is not None
+            else {"health": "failed" if health else "not checked"},
         },
     }
     if p["details"]:

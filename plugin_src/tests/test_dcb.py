@@ -76,6 +76,8 @@ def test_errors_and_other_messages() -> None:
     assert dcb.parse_reply(_reply(5, b""), 6) is None  # another request's answer
     with pytest.raises(dcb.DcbError, match="no IEEE attribute"):
         dcb.parse_reply(_message(5, _attr(dcb.DCB_ATTR_IFNAME, b"eth0\0")), 5)
+    with pytest.raises(dcb.DcbError, match="truncated"):
+        dcb.parse_reply(struct.pack("=IHHII", 18, dcb.NLMSG_ERROR, 0, 4, 0) + b"\0\0", 4)  # 2 bytes of a 4-byte code
     with pytest.raises(dcb.DcbError, match="overruns"):
         dcb.parse_reply(_reply(5, _attr(2, _ieee_pfc(8, 8)))[:60], 5)
 

@@ -83,3 +83,9 @@ def test_fixture_ports(short_tmp: Path) -> None:
 def test_bad_family() -> None:
     with pytest.raises(ValueError, match="addr_family must be one of"):
         gids.nccl_gid_index(_port([(LL, V1)]), "AF_UNIX")
+
+
+def test_a_garbled_entry_reads_as_empty() -> None:
+    port = _port([(LL, V1), (LL, V2), ("not-a-gid", V2), (_v4("10.0.0.11"), V2)])
+    assert gids.nccl_gid_index(port) == 3
+    assert gids.describe(port, 2) == "2 (empty)"

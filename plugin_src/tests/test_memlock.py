@@ -68,3 +68,12 @@ def test_unit_precedence(tmp_path: Path) -> None:
     _unit(root, "etc/systemd/system/containerd.service.d/30-other.conf", "[Unit]\nLimitMEMLOCK=1\n")  # not [Service]
     got = memlock.unit_setting(str(root), "containerd.service")
     assert got is not None and got.value == "16M"
+
+
+def test_rows_that_do_not_parse_are_left_out() -> None:
+    text = (
+        "Limit Soft Limit Hard Limit Units\n"
+        "Max locked memory         \n"
+        "Max open files            1024                 4096                 files\n"
+    )
+    assert memlock.parse_limits(text) == {"Max open files": Limit(1024, 4096)}

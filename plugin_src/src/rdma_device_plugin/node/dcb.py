@@ -90,7 +90,15 @@ def _attrs(data: bytes) -> list[tuple[int, bytes]]:
 
 def parse_reply(data: bytes, seq: int) -> DcbIeee | None:
     """The DCB_CMD_IEEE_GET answer in ``data`` (one or more netlink messages) for request ``seq``;
-    None when ``data`` holds none (read on); raises :class:`DcbError` for a kernel error."""
+    None when ``data`` holds none (read on); raises :class:`DcbError` for a kernel error or bytes
+    it cannot read."""
+    try:
+        return _parse_reply(data, seq)
+    except struct.error as exc:
+        raise DcbError(f"a truncated netlink message ({exc})") from None
+
+
+def _parse_reply(data: bytes, seq: int) -> DcbIeee | None:
     offset = 0
     while offset + _NLMSGHDR.size <= len(data):
         length, kind, _flags, msg_seq, _pid = _NLMSGHDR.unpack_from(data, offset)

@@ -38,6 +38,14 @@ def _words(gid: str) -> tuple[int, int, int, int]:
     return tuple(int.from_bytes(raw[i : i + 4], "big") for i in range(0, 16, 4))  # type: ignore[return-value]
 
 
+def _parses(gid: str) -> bool:
+    try:
+        ipaddress.IPv6Address(gid)
+    except ValueError:
+        return False
+    return True
+
+
 def family(gid: str) -> str:
     """``AF_INET`` for an IPv4-mapped GID (unicast ``::ffff:a.b.c.d`` or multicast ``ff0e::ffff:...``)."""
     w = _words(gid)
@@ -76,7 +84,7 @@ def nccl_gid_index(
     NCCL_IB_ROCE_VERSION_NUM and NCCL_IB_ADDR_RANGE (e.g. ``"10.0.0.0/8"``)."""
     if addr_family not in ADDR_FAMILIES:
         raise ValueError(f"addr_family must be one of {ADDR_FAMILIES}, not {addr_family!r}")
-    by_index = {g.index: g for g in port.gids}
+    by_index = {g.index: g for g in port.gids if _parses(g.gid)}  # a garbled entry reads as empty
     if port.link_layer == "InfiniBand":
         routable = by_index.get(ROUTABLE_FLID_GID_INDEX)
         flid = b"\0\0" if routable is None else ipaddress.IPv6Address(routable.gid).packed[4:6]
@@ -114,7 +122,7 @@ def _update(
 
 def describe(port: Port, index: int) -> str:
     """``3 (RoCE v2 2408:4005:300::11)``: the index with what it carries."""
-    gid = next((g for g in port.gids if g.index == index), None)
+    gid = next((g for g in port.gids if g.index == index and _parses(g.gid)), None)
     if gid is None:
         return f"{index} (empty)"
     shown = str(ipaddress.IPv6Address(gid.gid))

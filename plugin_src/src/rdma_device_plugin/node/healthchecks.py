@@ -67,7 +67,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import dcb, gids, gpudirect, lossless, memlock, netdev, pcie, perftest, portcounters, sysfs, topology
+from . import dcb, gids, gpudirect, lossless, memlock, netdev, pcie, perftest, portcounters, sysfs, text, topology
 from .checks import Check, skipped, strict
 
 PCIE_LINK = "pcie_link"
@@ -225,8 +225,8 @@ def _functions(sysfs_root: str, nic: sysfs.Nic, netdevs: Mapping[str, netdev.Net
     addresses = [nic.pci_address]
     for name, dev in netdevs.items():
         if dev.pci:
-            real = os.path.realpath(os.path.join(sysfs_root, "class", "net", name, "device"))
-            addresses.append(os.path.basename(real))
+            real = os.path.realpath(os.path.join(sysfs_root, "class", "net", text.to_fs(name), "device"))
+            addresses.append(text.from_fs(os.path.basename(real)))
     seen: dict[str, pcie.Function] = {}
     for address in addresses:
         device = address.rsplit(".", 1)[0]

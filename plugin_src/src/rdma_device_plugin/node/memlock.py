@@ -57,11 +57,15 @@ def parse_limits(proc_text: str) -> dict[str, Limit]:
     """``/proc/<pid>/limits`` -> limit name ("Max locked memory") -> Limit (unparsable rows left out)."""
     out: dict[str, Limit] = {}
     for line in proc_text.splitlines()[1:]:
-        name, soft, hard = line[:25].strip(), *line[26:].split()[:2]
+        values = line[26:].split()
+        if len(values) < 2:
+            continue
+        soft, hard = values[:2]
         try:
-            out[name] = Limit(None if soft == "unlimited" else int(soft), None if hard == "unlimited" else int(hard))
+            limit = Limit(None if soft == "unlimited" else int(soft), None if hard == "unlimited" else int(hard))
         except ValueError:
             continue
+        out[line[:25].strip()] = limit
     return out
 
 
