@@ -6,6 +6,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+import pytest
+
 from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.node.selectors import Selectors
 
@@ -143,3 +145,22 @@ def test_empty_dev_root_reads_char_device_presence_from_sysfs(node: fixtures.Fix
 def test_empty_dev_root_without_rdma_ucm(tmp_path: Path) -> None:
     node = fixtures.write_node(str(tmp_path / "n"), dataclasses.replace(fixtures.lingjun_node(), rdma_cm=False))
     assert not sysfs.rdma_cm("", node.sysfs).present and not sysfs.rdma_cm(node.dev).present
+
+
+@pytest.mark.parametrize(("text", "nodes"), [("0", (0,)), ("0-1", (0, 1)), ("0,2-3", (0, 2, 3)), ("1-1\n", (1,))])
+def test_numa_node_list_is_read_in_the_kernel_list_form(text: str, nodes: tuple[int, ...]) -> None:
+    assert sysfs.parse_node_list(text) == nodes
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "-1", "0-1024"])
+def test_bad_numa_node_lists_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        sysfs.parse_node_list(text)
+
+
+def test_numa_nodes_of_a_fixture_node_and_of_a_tree_without_them(node: fixtures.FixtureNode, tmp_path: Path) -> None:
+    assert sysfs.numa_nodes(node.sysfs) == (0, 1)
+    assert sysfs.numa_nodes(str(tmp_path)) == ()
+    online = Path(node.sysfs, "devices", "system", "node", "online")
+    online.write_text("garbage\n")
+    assert sysfs.numa_nodes(node.sysfs) == ()

@@ -681,12 +681,24 @@ class FixtureNode:
             self.add_nic(nic)
         for gpu in spec.gpus:
             self.add_gpu(gpu)
+        self._write_numa_nodes(spec)
         self._write_host(spec)
         self._write_ipv6_conf(spec)
         self._write_routes(spec)
         with open(os.path.join(self.root, "node-spec.json"), "w", encoding="utf-8") as fh:
             json.dump(spec.to_dict(), fh, indent=2)
         return self
+
+    def _write_numa_nodes(self, spec: NodeSpec) -> None:
+        """``devices/system/node``: node0 .. the highest NUMA node a device sits on (node0 alone when
+        none has one), and ``online``/``possible`` in the kernel's list form (drivers/base/node.c)."""
+        highest = max([0, *(n.numa_node for n in spec.nics), *(g.numa_node for g in spec.gpus)])
+        base = os.path.join(self.sysfs, "devices", "system", "node")
+        for node in range(highest + 1):
+            os.makedirs(os.path.join(base, f"node{node}"), exist_ok=True)
+        nodes = "0" if highest == 0 else f"0-{highest}"
+        self._write(os.path.join(base, "online"), nodes)
+        self._write(os.path.join(base, "possible"), nodes)
 
     def _write_host(self, spec: NodeSpec) -> None:
         """Kernel release, NVIDIA driver and peer-memory modules, and the container runtime."""

@@ -38,7 +38,8 @@ def _words(gid: str) -> tuple[int, int, int, int]:
     return tuple(int.from_bytes(raw[i : i + 4], "big") for i in range(0, 16, 4))  # type: ignore[return-value]
 
 
-def _parses(gid: str) -> bool:
+def parses(gid: str) -> bool:
+    """A GID text the table can hold (a garbled entry reads as empty)."""
     try:
         ipaddress.IPv6Address(gid)
     except ValueError:
@@ -63,6 +64,16 @@ def valid(gid: str) -> bool:
     return configured and not link_local
 
 
+def version_of(gid_type: str) -> int:
+    """The RoCE version of a ``gid_attrs/types`` text as NCCL reads it (``ncclIbRoceGetVersionNum``); -1 unknown."""
+    return _VERSIONS.get(gid_type, -1)
+
+
+def in_range(gid: str, want_family: str, cidr: str) -> bool:
+    """``gid``'s address (the IPv4 one of a mapped GID for ``AF_INET``) is in ``cidr``, as NCCL matches it."""
+    return _in_range(want_family, ipaddress.ip_network(cidr, strict=False), gid)
+
+
 def _in_range(want_family: str, prefix: ipaddress.IPv4Network | ipaddress.IPv6Network | None, gid: str) -> bool:
     if prefix is None:
         return True
@@ -84,14 +95,14 @@ def nccl_gid_index(
     NCCL_IB_ROCE_VERSION_NUM and NCCL_IB_ADDR_RANGE (e.g. ``"10.0.0.0/8"``)."""
     if addr_family not in ADDR_FAMILIES:
         raise ValueError(f"addr_family must be one of {ADDR_FAMILIES}, not {addr_family!r}")
-    by_index = {g.index: g for g in port.gids if _parses(g.gid)}  # a garbled entry reads as empty
+    by_index = {g.index: g for g in port.gids if parses(g.gid)}  # a garbled entry reads as empty
     if port.link_layer == "InfiniBand":
         routable = by_index.get(ROUTABLE_FLID_GID_INDEX)
         flid = b"\0\0" if routable is None else ipaddress.IPv6Address(routable.gid).packed[4:6]
         return ROUTABLE_FLID_GID_INDEX if port.gid_table_len > ROUTABLE_FLID_GID_INDEX and flid != b"\0\0" else 0
     prefix = ipaddress.ip_network(addr_range, strict=False) if addr_range else None
     table: Mapping[int, tuple[str, int]] = {
-        i: (by_index[i].gid, _VERSIONS.get(by_index[i].type, -1)) if i in by_index else (ZERO_GID, -1)
+        i: (by_index[i].gid, version_of(by_index[i].type)) if i in by_index else (ZERO_GID, -1)
         for i in range(max(port.gid_table_len, 1))
     }
     pick = 0
@@ -122,7 +133,7 @@ def _update(
 
 def describe(port: Port, index: int) -> str:
     """``3 (RoCE v2 2408:4005:300::11)``: the index with what it carries."""
-    gid = next((g for g in port.gids if g.index == index and _parses(g.gid)), None)
+    gid = next((g for g in port.gids if g.index == index and parses(g.gid)), None)
     if gid is None:
         return f"{index} (empty)"
     shown = str(ipaddress.IPv6Address(gid.gid))

@@ -552,3 +552,29 @@ def netns_mode(sysfs_root: str) -> str | None:
     if value is None:
         return None
     return "shared" if value in ("Y", "1") else "exclusive" if value in ("N", "0") else None
+
+
+def parse_node_list(value: str) -> tuple[int, ...]:
+    """The kernel's node list format (``bitmap_print_to_pagebuf``'s list form): ``0-1``, ``0,2-3``, ``0``.
+    Raises ValueError for anything else."""
+    nodes: set[int] = set()
+    for part in value.strip().split(","):
+        lo, sep, hi = part.partition("-")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if first < 0 or last < first or last >= MAX_NUMA_NODES:
+            raise ValueError(f"{part!r} is not a NUMA node range")
+        nodes.update(range(first, last + 1))
+    return tuple(sorted(nodes))
+
+
+def numa_nodes(sysfs_root: str) -> tuple[int, ...]:
+    """The node's online NUMA nodes (``devices/system/node/online``, the list the kubelet's Topology
+    Manager sees through cadvisor); () when absent or unreadable."""
+    value = read_text(os.path.join(sysfs_root, "devices", "system", "node", "online"))
+    if not value:
+        return ()
+    try:
+        return parse_node_list(value)
+    except ValueError:
+        LOG.warning("cannot parse %s/devices/system/node/online: %r", sysfs_root, value)
+        return ()
