@@ -130,10 +130,14 @@ Exactly the shape rdma_device_plugin.config.PluginConfig accepts (version v1, no
 */}}
 {{- define "rdma-device-plugin.config" -}}
 {{- $v := .root.Values }}
+{{- /* numaPools is a shared-mode split: the exclusive config leaves it out (its devices carry each NIC's NUMA node) */}}
+{{- $shared := eq .mode "shared" }}
 {{- $resources := list (dict "name" $v.resourceName "sharedDevices" (int $v.sharedDevices) "selectors" $v.selectors) }}
+{{- if and $shared $v.numaPools }}{{ $_ := set (first $resources) "numaPools" true }}{{ end }}
 {{- range $v.extraResources }}
 {{- $r := dict "name" .name "sharedDevices" (int (ternary .sharedDevices 1000 (hasKey . "sharedDevices"))) }}
 {{- with .selectors }}{{ $_ := set $r "selectors" . }}{{ end }}
+{{- if and $shared .numaPools }}{{ $_ := set $r "numaPools" true }}{{ end }}
 {{- $resources = append $resources $r }}
 {{- end }}
 {{- $cfg := dict
@@ -145,6 +149,7 @@ Exactly the shape rdma_device_plugin.config.PluginConfig accepts (version v1, no
       "charDevices" $v.charDevices
       "env" $v.env
       "nonHostNetwork" $v.nonHostNetwork
+      "workloadEnv" $v.workloadEnv
       "cdi" (dict "enabled" $v.cdi.enabled "kind" $v.cdi.kind) }}
 {{- toYaml $cfg }}
 {{- end }}
