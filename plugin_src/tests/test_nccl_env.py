@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 from rdma_device_plugin import nccl_env
 from rdma_device_plugin.config import ConfigError, load_config_data
 from rdma_device_plugin.nccl_env import EnvSettings, nic_facts, workload_env
-from rdma_device_plugin.node import fixtures, sysfs
+from rdma_device_plugin.node import fixtures, gids, sysfs
+from rdma_device_plugin.node.sysfs import Gid
 
 HOST = EnvSettings()
 POD = EnvSettings(host_network=False)
@@ -156,3 +158,39 @@ def test_settings_from_config(config: dict[str, object], expected: EnvSettings) 
 def test_bad_workload_env_config_names_the_key(workload_env: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config_data({"workloadEnv": workload_env})
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "nccl.md"
+
+
+def _nccl_gid_text(gid: str) -> str:
+    """NCCL's ``GID %ld (%lX/%lX)`` of subnet_prefix/interface_id: the raw bytes as little-endian words."""
+    raw = ipaddress.IPv6Address(gid).packed
+    return f"{int.from_bytes(raw[:8], 'little'):X}/{int.from_bytes(raw[8:], 'little'):X}"
+
+
+def test_the_nccl_debug_lines_of_the_doc_are_what_this_node_gives(node: fixtures.FixtureNode) -> None:
+    """docs/nccl.md: the hostNetwork line's index and GID are the fixture node's, and the pod-network
+    line's index is what NCCL's own choice makes of the node's table plus the pod's entries."""
+    text = DOC.read_text()
+    bond0, bond1 = sysfs.read_nics(node.sysfs, node.dev)[:2]
+    host = workload_env([nic_facts(bond0, HOST)], HOST)
+    index = int(host.env["NCCL_IB_GID_INDEX"])
+    gid = next(g.gid for g in bond0.ports[0].gids if g.index == index)
+    assert f"NCCL_IB_GID_INDEX set by environment to {index}." in text
+    assert f"GID {index} ({_nccl_gid_text(gid)})" in text
+    prefix1 = _nccl_gid_text(next(g.gid for g in bond1.ports[0].gids if g.index == index)).split("/")[0]
+    assert f"the prefix reads `{prefix1}`" in text
+    # the pod's interface over bond0 adds its link-local and global address, RoCE v1 and v2 each
+    port = bond0.ports[0]
+    pod_ll, pod_global = "fe80::bace:f6ff:fe1a:12", "2408:4005:301::a12"
+    added = [(pod_ll, "IB/RoCE v1"), (pod_ll, "RoCE v2"), (pod_global, "IB/RoCE v1"), (pod_global, "RoCE v2")]
+    used = len(port.gids)
+    table = (
+        *port.gids,
+        *(Gid(used + i, ipaddress.IPv6Address(g).exploded, t, "pod0") for i, (g, t) in enumerate(added)),
+    )
+    pod_port = replace(port, gids=table, gid_table_len=max(port.gid_table_len, len(table)))
+    chosen = gids.nccl_gid_index(pod_port, "AF_INET6", 2, "2408:4005:301::/48")
+    assert f"GID {chosen} ({_nccl_gid_text(pod_global)})" in text
+    assert f"`GID {gids.nccl_gid_index(pod_port, 'AF_INET6')} ({_nccl_gid_text(gid).split('/')[0]}/...)`" in text
