@@ -33,6 +33,9 @@ def test_numa_pools_make_a_pool_per_numa_node_and_a_local_pool() -> None:
 def test_without_the_option_the_config_is_served_as_written() -> None:
     cfg = load_config_data({"resources": [{"name": "rdma/a"}, {"name": "rdma/b"}]})
     assert [s.name for s in numa_pools.pool_specs(cfg, (0, 1))] == ["rdma/a", "rdma/b"]
+    # and with it, on a node whose NUMA nodes cannot be read: nothing to split by
+    split = load_config_data({"resources": [{"name": "rdma/a", "numaPools": True}]})
+    assert [s.name for s in numa_pools.pool_specs(split, ())] == ["rdma/a"]
 
 
 def test_each_pool_hands_out_the_nics_of_its_numa_nodes(node: fixtures.FixtureNode) -> None:

@@ -77,12 +77,14 @@ class PoolSpec:
 
 
 def pool_specs(config: PluginConfig, numa_nodes: Sequence[int]) -> list[PoolSpec]:
-    """Every pool the config makes on a node with these NUMA nodes, in config order."""
+    """Every pool the config makes on a node with these NUMA nodes, in config order. Without NUMA
+    nodes (``devices/system/node/online`` unreadable) numaPools makes nothing: no pool could say
+    where its NICs are."""
     out = []
     nodes = tuple(sorted(set(numa_nodes)))
     for r in config.resources:
         out.append(PoolSpec(r, r.name))
-        if not (r.numa_pools and config.mode == "shared"):
+        if not (r.numa_pools and config.mode == "shared" and nodes):
             continue
         for n in nodes:
             numa = r.model_copy(update={"name": numa_resource_name(r.name, n), "numa_pools": False})
