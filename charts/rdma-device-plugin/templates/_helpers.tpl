@@ -206,18 +206,57 @@ next to privileged.
 {{- end }}
 
 {{/*
-CEL over the containers and initContainers of a pod spec expression (e.g. "object.spec" or
-"object.spec.template.spec") that request any of the plugin's resources, in limits or requests.
-Call with (dict "root" $ "spec" "object.spec" "op" "exists"): op "exists" gives a bool (does the
-pod request RDMA?), op "filter" the list of those containers.
-Kept to has()/exists()/filter()/in so that both Kubernetes CEL and cel-python (the chart tests)
-evaluate it.
+CEL building blocks of the admission policies. Kept to has()/exists()/all()/filter()/map()/matches()/
+size()/string()/in, so that both Kubernetes CEL and cel-python (the chart tests) evaluate them.
+
+celContainers: the containers and initContainers of the pod spec expression .spec.
 */}}
-{{- define "rdma-device-plugin.celRdmaContainers" -}}
-{{- $s := .spec }}
+{{- define "rdma-device-plugin.celContainers" -}}
+{{- printf "(has(%s.initContainers) ? %s.containers + %s.initContainers : %s.containers)" .spec .spec .spec .spec }}
+{{- end }}
+
+{{/*
+celRequestsRdma: does container .c request one of the plugin's resources, in limits or requests, with a
+quantity other than 0? `rdma/hca: 0` is no request (charts render a switched-off toggle as 0): the API
+server hands admission the canonical quantity, "0". string() also reads the ints of a hand-made object.
+Call with (dict "root" $ "c" "c").
+*/}}
+{{- define "rdma-device-plugin.celRequestsRdma" -}}
 {{- $names := include "rdma-device-plugin.resourceNames" .root | fromJsonArray }}
 {{- $r := include "rdma-device-plugin.celList" $names }}
-{{- printf "(has(%s.initContainers) ? %s.containers + %s.initContainers : %s.containers).%s(c, has(c.resources) && ((has(c.resources.limits) && %s.exists(r, r in c.resources.limits)) || (has(c.resources.requests) && %s.exists(r, r in c.resources.requests))))" $s $s $s $s .op $r $r }}
+{{- $c := .c }}
+{{- $parts := list }}
+{{- range $field := list "limits" "requests" }}
+{{- $parts = append $parts (printf "(has(%s.resources.%s) && %s.exists(r, r in %s.resources.%s && string(%s.resources.%s[r]) != '0'))" $c $field $r $c $field $c $field) }}
+{{- end }}
+{{- printf "has(%s.resources) && (%s)" $c (join " || " $parts) }}
+{{- end }}
+
+{{/*
+celHasIpcLock: does container .c run with CAP_IPC_LOCK? Exactly as containerd's CRI applies the
+securityContext (internal/cri/opts WithCapabilities): a privileged container gets every capability and
+its capabilities field is not applied; otherwise ALL in add (any case) grants all, ALL in drop then
+removes all, then every named add is applied as "CAP_" + upper(name), then every named drop. So
+add [ALL] + drop [ALL], add [ALL] + drop [IPC_LOCK] and add [IPC_LOCK] + drop [ipc_lock] leave no
+IPC_LOCK, while drop [ALL] + add [IPC_LOCK] keeps it.
+*/}}
+{{- define "rdma-device-plugin.celHasIpcLock" -}}
+{{- $sc := printf "%s.securityContext" .c }}
+{{- $caps := printf "%s.capabilities" $sc }}
+{{- $adds := printf "(has(%s.add) ? %s.add : [])" $caps $caps }}
+{{- $drops := printf "(has(%s.drop) ? %s.drop : [])" $caps $caps }}
+{{- printf "has(%s) && ((has(%s.privileged) && %s.privileged == true) || (has(%s) && !%s.exists(d, d.matches('^(?i)ipc_lock$')) && (%s.exists(a, a.matches('^(?i)ipc_lock$')) || (%s.exists(a, a.matches('^(?i)all$')) && !%s.exists(d, d.matches('^(?i)all$'))))))" $sc $sc $sc $caps $drops $adds $adds $drops }}
+{{- end }}
+
+{{/*
+celNonRoot: is container .c of pod spec .spec known to run as a user other than root? The container's
+runAsUser wins over the pod's; without either, runAsNonRoot (container over pod) means the kubelet
+only starts it as non-root. Unknown (the image's USER) counts as root: no warning.
+*/}}
+{{- define "rdma-device-plugin.celNonRoot" -}}
+{{- $c := printf "%s.securityContext" .c }}
+{{- $p := printf "%s.securityContext" .spec }}
+{{- printf "((has(%s) && has(%s.runAsUser)) ? %s.runAsUser != 0 : (has(%s) && has(%s.runAsUser)) ? %s.runAsUser != 0 : (has(%s) && has(%s.runAsNonRoot)) ? %s.runAsNonRoot == true : (has(%s) && has(%s.runAsNonRoot) && %s.runAsNonRoot == true))" $c $c $c $p $p $p $c $c $c $p $p $p }}
 {{- end }}
 
 {{/* A CEL list literal of strings: ['a', 'b']. */}}
