@@ -44,6 +44,13 @@ rename) or `helm upgrade` could not patch the DaemonSets.
 {{- define "rdma-device-plugin.modeKey" -}}rdma.lingjun.io/mode{{- end }}
 
 {{/*
+Node label the fleet playbooks set on a node they validated (true) or found failing (false), with the
+annotation rdma.lingjun.io/validated-at (RFC 3339). validation.required makes the DaemonSets require
+it; the alerts read it through kube-state-metrics.
+*/}}
+{{- define "rdma-device-plugin.validatedKey" -}}rdma.lingjun.io/validated{{- end }}
+
+{{/*
 Labels the chart owns: podLabels and commonLabels may not set them (schema + _validate.tpl).
 */}}
 {{- define "rdma-device-plugin.reservedLabels" -}}
@@ -82,12 +89,23 @@ app.kubernetes.io/part-of: rdma-device-plugin
 {{- end }}
 
 {{/*
-The image reference: [registry/]repository(@digest|:tag). image.registry wins over
-global.imageRegistry (bitnami convention); with neither, repository may hold the registry itself.
+The image reference: [registry/]repository(@digest|:tag), as bitnami's common.images.image builds it:
+global.imageRegistry overrides image.registry, and the repository holds no host. A repository that
+starts with a registry host (its first component has a "." or ":" or is "localhost", Docker's rule) is
+taken whole: image.registry does not apply to it, and with global.imageRegistry set _validate.tpl
+fails rather than render "<mirror>/<host>/<path>".
 */}}
+{{- define "rdma-device-plugin.repositoryHasHost" -}}
+{{- $first := regexFind "^[^/]+/" .Values.image.repository | trimSuffix "/" }}
+{{- if and $first (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) }}true{{ end }}
+{{- end }}
+
 {{- define "rdma-device-plugin.image" -}}
-{{- $registry := .Values.image.registry | default ((.Values.global | default dict).imageRegistry) | default "" }}
-{{- $repository := ternary (printf "%s/%s" $registry .Values.image.repository) .Values.image.repository (ne $registry "") }}
+{{- $registry := ((.Values.global | default dict).imageRegistry) | default .Values.image.registry | default "" }}
+{{- $repository := .Values.image.repository }}
+{{- if and $registry (not (include "rdma-device-plugin.repositoryHasHost" .)) }}
+{{- $repository = printf "%s/%s" $registry .Values.image.repository }}
+{{- end }}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" $repository .Values.image.digest }}
 {{- else }}
@@ -167,11 +185,15 @@ holds any other value gets neither DaemonSet (see NOTES).
 {{- if eq .mode $v.mode }}
 {{- $variants = list (dict "key" $key "operator" "DoesNotExist") (dict "key" $key "operator" "In" "values" (list .mode)) }}
 {{- end }}
+{{- $validated := list }}
+{{- if ($v.validation | default dict).required }}
+{{- $validated = list (dict "key" (include "rdma-device-plugin.validatedKey" .root) "operator" "In" "values" (list "true")) }}
+{{- end }}
 {{- $newTerms := list }}
 {{- range $term := $terms }}
 {{- range $expr := $variants }}
 {{- $t := deepCopy $term }}
-{{- $_ := set $t "matchExpressions" (append (get $t "matchExpressions" | default list) $expr) }}
+{{- $_ := set $t "matchExpressions" (concat (get $t "matchExpressions" | default list) (list $expr) $validated) }}
 {{- $newTerms = append $newTerms $t }}
 {{- end }}
 {{- end }}

@@ -30,7 +30,7 @@ CASES: dict[str, dict[str, Any]] = {
     "policy-off": {"admissionPolicy": {"enabled": False}},
     "policy-warn-audit": {"admissionPolicy": {"validationActions": ["Warn", "Audit"], "failurePolicy": "Ignore"}},
     "metrics": {"metrics": {"enabled": True, "port": 9500, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
-    "cdi": {"cdi": {"enabled": True, "kind": "example.com/rdma", "hostDir": "/etc/cdi"}},
+    "cdi": {"cdi": {"enabled": True, "runtimeEnabled": True, "kind": "example.com/rdma", "hostDir": "/etc/cdi"}},
     "k3s": {"kubeletDir": "/var/lib/rancher/k3s/agent/kubelet/"},
     "microk8s": {"kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet"},
     "extra-resources": {
@@ -50,7 +50,7 @@ CASES: dict[str, dict[str, Any]] = {
         "mode": "exclusive",
         "nonHostNetwork": {"enabled": True},
         "metrics": {"enabled": True},
-        "cdi": {"enabled": True},
+        "cdi": {"enabled": True, "runtimeEnabled": True},
         "privileged": True,
         "imagePullSecrets": [{"name": "regcred"}],
         "extraEnv": [{"name": "PYTHONUNBUFFERED", "value": "1"}],

@@ -29,6 +29,11 @@ def _render_for(case: str, version: str) -> list[dict]:
     api = (*MONITORING, *(VAP_KINDS if minor >= 30 else ["admissionregistration.k8s.io/v1/ValidatingWebhookConfiguration"]))
     if minor < 30:
         values["admissionPolicy"] = {**values.get("admissionPolicy", {}), "enabled": False}
+    if minor < 28 and values.get("cdi", {}).get("enabled"):
+        # the kubelet passes CDI devices from 1.28 on: the chart refuses cdi.enabled before
+        with pytest.raises(helm_python.HelmError, match=r"cdi.enabled=true needs Kubernetes >= 1.28"):
+            render_raw(values, kube_version=f"v{version}", api_versions=api)
+        values["cdi"] = {**values["cdi"], "enabled": False}
     return parse(render_raw(values, kube_version=f"v{version}", api_versions=api))
 
 
@@ -269,7 +274,7 @@ def test_checksum_is_the_hash_of_the_mounted_config() -> None:
         {"nonHostNetwork": {"enabled": True}},
         {"selectors": {"drivers": ["mlx5_core"]}},
         {"health": {"policy": "any"}},
-        {"cdi": {"enabled": True}},
+        {"cdi": {"enabled": True, "runtimeEnabled": True}},
         {"resourceName": "rdma/hca2"},
     ],
 )
