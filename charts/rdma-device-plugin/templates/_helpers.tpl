@@ -287,3 +287,33 @@ only starts it as non-root. Unknown (the image's USER) counts as root: no warnin
 {{- range . }}{{ $quoted = append $quoted (printf "'%s'" .) }}{{ end }}
 {{- printf "[%s]" (join ", " $quoted) }}
 {{- end }}
+
+{{/*
+PromQL label matchers that select the plugin's series (alerts and dashboard): metrics.jobSelector, or
+the job prometheus-operator gives the targets of the chart's ServiceMonitor (the Service name).
+*/}}
+{{- define "rdma-device-plugin.promSelector" -}}
+{{- .Values.metrics.jobSelector | default (printf "job=\"%s-metrics\"" (include "rdma-device-plugin.fullname" .)) }}
+{{- end }}
+
+{{/* kube-state-metrics matchers followed by a comma, or nothing. */}}
+{{- define "rdma-device-plugin.promKsmSelector" -}}
+{{- with .Values.metrics.prometheusRule.kubeStateMetrics.selector }}{{ . }},{{ end }}
+{{- end }}
+
+{{/*
+The nodes that should run the plugin, one series per node (label node), from kube-state-metrics'
+kube_node_labels: any of kubeStateMetrics.rdmaNodeLabels; with validation.required only those the
+fleet playbooks validated (the DaemonSets run nowhere else).
+*/}}
+{{- define "rdma-device-plugin.promRdmaNodes" -}}
+{{- $ksm := include "rdma-device-plugin.promKsmSelector" . }}
+{{- $any := list }}
+{{- range .Values.metrics.prometheusRule.kubeStateMetrics.rdmaNodeLabels }}{{ $any = append $any (printf "kube_node_labels{%s%s}" $ksm .) }}{{ end }}
+{{- $expr := printf "group by (node) (%s)" (join " or " $any) }}
+{{- if .Values.validation.required }}
+{{- $key := regexReplaceAll "[^a-zA-Z0-9_]" (include "rdma-device-plugin.validatedKey" .) "_" }}
+{{- $expr = printf "(%s and on(node) kube_node_labels{%slabel_%s=\"true\"})" $expr $ksm $key }}
+{{- end }}
+{{- $expr }}
+{{- end }}
