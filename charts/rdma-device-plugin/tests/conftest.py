@@ -107,11 +107,13 @@ def render_raw(
     kube_version: str | None = CLUSTER_KUBE_VERSION,
     api_versions: tuple[str, ...] | None = CLUSTER_API_VERSIONS,
     chart: helm_python.Chart | None = None,
+    name: str = RELEASE,
+    namespace: str = NAMESPACE,
 ) -> dict[str, str]:
     """Render as `helm template --kube-version --api-versions` does. Chart.render does not expose those
     two options, but the SDK's native helm_render takes them (its render options JSON); None leaves
     Helm's offline defaults."""
-    opts: dict[str, Any] = {"name": RELEASE, "namespace": NAMESPACE}
+    opts: dict[str, Any] = {"name": name, "namespace": namespace}
     if kube_version is not None:
         opts["kube_version"] = kube_version
     if api_versions is not None:

@@ -4,14 +4,16 @@ exists, and every alert unit-tested with the real `promtool test rules` (Debian'
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import VAP_KINDS, by_kind, daemonsets, manifests, one, render_raw
+from conftest import CHART_DIR, VAP_KINDS, by_kind, daemonsets, manifests, one, render_raw
 
 PROMTOOL_DIR = Path(__file__).parent / "promtool"
 ALERTS = {
@@ -236,12 +238,65 @@ def test_dashboard_fleet_and_node_view() -> None:
     rows = [p["title"] for p in doc["panels"] if p["type"] == "row"]
     assert rows == ["Fleet", "Node $node"]
     queries = dashboard_queries(doc)
-    assert all('job="rdma-rdma-device-plugin-metrics"' in q for _, q in queries)
-    assert "__JOB__" not in json.dumps(doc)
+    assert all('job="rdma-rdma-device-plugin-metrics"' in q and 'cluster=~"$cluster"' in q for _, q in queries)
+    assert "__SELECTOR__" not in json.dumps(doc) and "__UID__" not in json.dumps(doc)
     titles = {t for t, _ in queries}
-    for want in ("Nodes RDMA-ready", "Allocatable vs capacity per node", "Port states", "Allocate latency (p99)"):
+    for want in ("Nodes RDMA-ready", "RDMA readiness by node", "Allocatable vs capacity per node", "Port states", "NICs",
+                 "Allocate latency (p99)"):
         assert want in titles
-    assert [v["name"] for v in doc["templating"]["list"]] == ["datasource", "node"]
+    assert [v["name"] for v in doc["templating"]["list"]] == ["datasource", "cluster", "node"]
+    cluster = doc["templating"]["list"][1]
+    # all clusters by default; ".*" also matches series without a cluster label (one cluster)
+    assert cluster["includeAll"] is True and cluster["allValue"] == ".*"
+
+
+def test_dashboard_panels_have_ids_tables_are_instant_rates_use_rate_interval() -> None:
+    doc = dashboard()
+    ids = [p["id"] for p in doc["panels"]]
+    assert all(isinstance(i, int) and i > 0 for i in ids) and len(set(ids)) == len(ids) == len(doc["panels"])
+    for panel in doc["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            if panel["type"] == "table":
+                # one row per node/NIC with its labels as columns, not one frame per series
+                assert target["instant"] is True and target["format"] == "table", panel["title"]
+            for window in re.findall(r"\[([^\]]+)\]", expr):
+                assert window == "$__rate_interval", (panel["title"], expr)
+        if panel["type"] == "table":
+            ids_ = [t["id"] for t in panel["transformations"]]
+            assert "organize" in ids_ and (len(panel["targets"]) == 1 or "merge" in ids_), panel["title"]
+            organize = next(t for t in panel["transformations"] if t["id"] == "organize")["options"]
+            assert organize["excludeByName"].get("Time") is True and organize["renameByName"], panel["title"]
+
+
+def test_dashboard_uid_and_title_per_release() -> None:
+    """Two releases in one Grafana: different uids (at most 40 characters) and titles (unique per folder)."""
+    values = ON
+    docs = []
+    for name, namespace in (("rdma", "kube-system"), ("rdma-b", "kube-system"), ("rdma", "gpu")):
+        rendered = render_raw(values, name=name, namespace=namespace)
+        cm = next(d for d in yaml.safe_load_all(rendered["rdma-device-plugin/templates/dashboard.yaml"]) if d)
+        docs.append(json.loads(cm["data"]["rdma-device-plugin.json"]))
+    uids = [d["uid"] for d in docs]
+    assert len(set(uids)) == 3 and all(len(u) <= 40 and re.match(r"^[a-zA-Z0-9_-]+$", u) for u in uids)
+    assert len({d["title"] for d in docs}) == 3 and docs[1]["title"] == "RDMA device plugin (kube-system/rdma-b)"
+    assert uids[0] == dashboard()["uid"]  # stable: the same release keeps its uid across upgrades
+
+
+def test_dashboard_is_generated_by_the_sdk() -> None:
+    """files/dashboards/rdma-device-plugin.json is what dashboards/build.py (grafana-foundation-sdk) builds."""
+    build = CHART_DIR / "dashboards" / "build.py"
+    result = subprocess.run([sys.executable, str(build), "--check"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "grafana_foundation_sdk" in build.read_text(encoding="utf-8")
+
+
+def test_job_selector_reaches_every_panel() -> None:
+    values = {"metrics": {"enabled": True, "jobSelector": 'job="rdma-plugins",namespace="gpu"', "dashboard": {"enabled": True}}}
+    doc = dashboard(values)
+    assert "rdma-rdma-device-plugin-metrics" not in json.dumps(doc)
+    assert all('job="rdma-plugins",namespace="gpu"' in q for _, q in dashboard_queries(doc))
+    assert all('job="rdma-plugins",namespace="gpu"' in v["query"] for v in doc["templating"]["list"][1:])
 
 
 def test_nfd_feature_dir_mounted_only_when_enabled() -> None:
