@@ -53,6 +53,14 @@ def parse_like_nfd(text: str, now: float | None = None) -> dict[str, str]:
     return labels
 
 
+@pytest.fixture
+def feature_file(short_tmp: Path) -> Path:
+    """<features.d>/rdma-device-plugin, its directory made (NFD reads every non-hidden file there)."""
+    features_d = short_tmp / "features.d"
+    features_d.mkdir()
+    return features_d / "rdma-device-plugin"
+
+
 def test_parser_is_strict() -> None:
     with pytest.raises(AssertionError):
         parse_like_nfd("# +expires=1\n")
@@ -87,11 +95,10 @@ def test_serve_writes_and_updates_the_feature_file(
     sim: KubeletSimulator,
     start_plugin,
     node: fixtures.FixtureNode,
-    short_tmp: Path,  # type: ignore[no-untyped-def]
+    feature_file: Path,  # type: ignore[no-untyped-def]
 ) -> None:
-    features_d = short_tmp / "features.d"
-    features_d.mkdir()
-    path = features_d / "rdma-device-plugin"
+    path = feature_file
+    features_d = path.parent
     plugin = start_plugin(extra=["--nfd-features-file", str(path)])
     assert sim.wait_registered("rdma/hca"), plugin.output()
     assert sim.wait_for(path.exists, timeout=30), plugin.output()
@@ -162,13 +169,11 @@ def test_serve_in_the_pod_network_omits_the_ipv6_label_and_removes_the_file_at_s
     sim: KubeletSimulator,
     start_plugin,
     node: fixtures.FixtureNode,
-    short_tmp: Path,  # type: ignore[no-untyped-def]
+    feature_file: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     """The fixture node's netdevs (bond0...) are not in this process's netns: the plugin does not see
     the node's network namespace, as in the chart's default pod network."""
-    features_d = short_tmp / "features.d"
-    features_d.mkdir()
-    path = features_d / "rdma-device-plugin"
+    path = feature_file
     plugin = start_plugin(extra=["--nfd-features-file", str(path)])
     assert sim.wait_for(path.exists, timeout=30), plugin.output()
     text = path.read_text(encoding="utf-8")
@@ -187,12 +192,10 @@ def test_serve_in_the_node_netns_writes_the_ipv6_label(
     sim: KubeletSimulator,
     start_plugin,
     node: fixtures.FixtureNode,
-    short_tmp: Path,  # type: ignore[no-untyped-def]
+    feature_file: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     """hostNetwork stand-in: a real netns holding the fixture node's netdevs with their ifindexes."""
-    features_d = short_tmp / "features.d"
-    features_d.mkdir()
-    path = features_d / "rdma-device-plugin"
+    path = feature_file
     with netns.NodeNetns(node) as ns:
         plugin = start_plugin(extra=["--nfd-features-file", str(path)], prefix=ns.exec_prefix)
         assert sim.wait_for(path.exists, timeout=30), plugin.output()

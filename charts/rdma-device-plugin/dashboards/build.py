@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 from grafana_foundation_sdk.builders import common as cb
 from grafana_foundation_sdk.builders import dashboard as db
@@ -31,6 +32,7 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
+P = TypeVar("P", stat.Panel, table.Panel, timeseries.Panel)
 OUT = Path(__file__).resolve().parent.parent / "files" / "dashboards" / "rdma-device-plugin.json"
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = "__SELECTOR__"
@@ -57,41 +59,51 @@ MERGE = dm.DataTransformerConfig(id_val="merge", options={})
 
 def ts() -> timeseries.Panel:
     """A time series panel with its legend as a table below (labels readable, series sortable)."""
-    legend = cb.VizLegendOptions().show_legend(True).display_mode(cm.LegendDisplayMode.TABLE).placement(cm.LegendPlacement.BOTTOM)
+    legend = (
+        cb.VizLegendOptions()
+        .show_legend(True)
+        .display_mode(cm.LegendDisplayMode.TABLE)
+        .placement(cm.LegendPlacement.BOTTOM)
+    )
     return timeseries.Panel().legend(legend)
+
 
 # Per node, as in the alerts: ready = plugin scraped, every resource registered, a Healthy device.
 READY = (
     f"(min by (node) (up{{{FLEET}}}) == 1)"
     f" * on(node) (min by (node) (rdma_dp_resource_registered{{{FLEET}}}))"
-    f" * on(node) clamp_max(sum by (node) (rdma_dp_devices{{{FLEET},health=\"Healthy\"}}), 1)"
+    f' * on(node) clamp_max(sum by (node) (rdma_dp_devices{{{FLEET},health="Healthy"}}), 1)'
 )
 
 
 def build() -> dict[str, object]:
     panel_id = iter(range(1, 100))  # ids in layout order: Grafana links and repeats refer to them
+
+    def place(panel: P, title: str, width: int, height: int) -> P:
+        """The next id, the title, the data source and the size (24 columns make a row)."""
+        return panel.id(next(panel_id)).title(title).datasource(DS).span(width).height(height)
+
     fleet_row = db.Row("Fleet").id(next(panel_id))
     fleet_ready = (
-        stat.Panel()
-        .id(next(panel_id))
-        .title("Nodes RDMA-ready")
-        .description("Nodes whose plugin is scraped, has every resource registered and a Healthy device; and those that are not.")
-        .datasource(DS)
+        place(stat.Panel(), "Nodes RDMA-ready", 6, 6)
+        .description(
+            "Nodes whose plugin is scraped, has every resource registered and a Healthy device; and those that are not."
+        )
         .with_target(q(f"sum({READY})", "A", "ready", instant=True).format(PromQueryFormat.TIME_SERIES))
-        .with_target(q(f"count(({READY}) == 0) or vector(0)", "B", "not ready", instant=True).format(PromQueryFormat.TIME_SERIES))
+        .with_target(
+            q(f"count(({READY}) == 0) or vector(0)", "B", "not ready", instant=True).format(PromQueryFormat.TIME_SERIES)
+        )
         .graph_mode(cm.BigValueGraphMode.NONE)
         .color_mode(cm.BigValueColorMode.VALUE)
         .text_mode(cm.BigValueTextMode.VALUE_AND_NAME)
         .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
-        .span(6)
-        .height(6)
     )
     readiness = (
-        table.Panel()
-        .id(next(panel_id))
-        .title("RDMA readiness by node")
-        .description("One row per node: scraped, registered, Healthy and all devices, selected ports not ACTIVE, plugin version and mode.")
-        .datasource(DS)
+        place(table.Panel(), "RDMA readiness by node", 18, 6)
+        .description(
+            "One row per node: scraped, registered, Healthy and all devices, selected ports not ACTIVE, "
+            "plugin version and mode."
+        )
         .with_target(q(f"min by (node) (up{{{FLEET}}})", "A", instant=True))
         .with_target(q(f"min by (node) (rdma_dp_resource_registered{{{FLEET}}})", "B", instant=True))
         .with_target(q(f'sum by (node) (rdma_dp_devices{{{FLEET},health="Healthy"}})', "C", instant=True))
@@ -122,15 +134,10 @@ def build() -> dict[str, object]:
                 ("Time", "Value #F"),
             )
         )
-        .span(18)
-        .height(6)
     )
     ports_down = (
-        ts()
-        .id(next(panel_id))
-        .title("NIC ports not ACTIVE by node")
-        .description("Ports of NICs a pool selects (rdma_dp_nic_info resource != \"\"); unused NICs are left out.")
-        .datasource(DS)
+        place(ts(), "NIC ports not ACTIVE by node", 12, 8)
+        .description('Ports of NICs a pool selects (rdma_dp_nic_info resource != ""); unused NICs are left out.')
         .with_target(
             q(
                 f"sum by (node) ((1 - rdma_dp_port_active{{{FLEET}}})"
@@ -139,24 +146,20 @@ def build() -> dict[str, object]:
                 "{{node}}",
             )
         )
-        .span(12)
-        .height(8)
     )
     capacity = (
-        ts()
-        .id(next(panel_id))
-        .title("Allocatable vs capacity per node")
-        .datasource(DS)
-        .with_target(q(f'sum by (node, resource) (rdma_dp_devices{{{FLEET},health="Healthy"}})', "A", "{{node}} {{resource}} allocatable"))
+        place(ts(), "Allocatable vs capacity per node", 12, 8)
+        .with_target(
+            q(
+                f'sum by (node, resource) (rdma_dp_devices{{{FLEET},health="Healthy"}})',
+                "A",
+                "{{node}} {{resource}} allocatable",
+            )
+        )
         .with_target(q(f"sum by (node, resource) (rdma_dp_devices{{{FLEET}}})", "B", "{{node}} {{resource}} capacity"))
-        .span(12)
-        .height(8)
     )
     allocations = (
-        ts()
-        .id(next(panel_id))
-        .title("Allocations")
-        .datasource(DS)
+        place(ts(), "Allocations", 8, 8)
         .unit("reqps")
         .with_target(
             q(
@@ -165,15 +168,10 @@ def build() -> dict[str, object]:
                 "{{node}} {{resource}} {{result}}",
             )
         )
-        .span(8)
-        .height(8)
     )
     latency = (
-        ts()
-        .id(next(panel_id))
-        .title("Allocate latency (p99)")
+        place(ts(), "Allocate latency (p99)", 8, 8)
         .description("The plugin creates the histogram at start: empty (NaN) until the first Allocate, never missing.")
-        .datasource(DS)
         .unit("s")
         .with_target(
             q(
@@ -183,84 +181,91 @@ def build() -> dict[str, object]:
                 "{{node}} {{resource}}",
             )
         )
-        .span(8)
-        .height(8)
     )
     churn = (
-        ts()
-        .id(next(panel_id))
-        .title("Re-registrations and stream ends")
-        .datasource(DS)
+        place(ts(), "Re-registrations and stream ends", 8, 8)
         .with_target(
-            q(f"sum by (node, resource) (increase(rdma_dp_registrations_total{{{FLEET}}}[$__rate_interval]))", "A", "{{node}} {{resource}} registrations")
+            q(
+                f"sum by (node, resource) (increase(rdma_dp_registrations_total{{{FLEET}}}[$__rate_interval]))",
+                "A",
+                "{{node}} {{resource}} registrations",
+            )
         )
         .with_target(
-            q(f"sum by (node, resource) (increase(rdma_dp_stream_ends_total{{{FLEET}}}[$__rate_interval]))", "B", "{{node}} {{resource}} stream ends")
+            q(
+                f"sum by (node, resource) (increase(rdma_dp_stream_ends_total{{{FLEET}}}[$__rate_interval]))",
+                "B",
+                "{{node}} {{resource}} stream ends",
+            )
         )
-        .span(8)
-        .height(8)
     )
     node_row = db.Row("Node $node").id(next(panel_id))
     port_states = (
-        table.Panel()
-        .id(next(panel_id))
-        .title("Port states")
+        place(table.Panel(), "Port states", 12, 8)
         .description("One row per port of every NIC the plugin found on the node (selected or not).")
-        .datasource(DS)
         .show_header(True)
         .with_target(q(f"max by (node, nic, port, state) (rdma_dp_port_state{{{NODE}}} == 1)", "A", instant=True))
-        .with_transformation(organize({"node": "Node", "nic": "NIC", "port": "Port", "state": "State"}, ("Time", "Value")))
-        .span(12)
-        .height(8)
+        .with_transformation(
+            organize({"node": "Node", "nic": "NIC", "port": "Port", "state": "State"}, ("Time", "Value"))
+        )
     )
     nics = (
-        table.Panel()
-        .id(next(panel_id))
-        .title("NICs")
+        place(table.Panel(), "NICs", 12, 8)
         .description("Every RDMA NIC on the node and the pool (resource) that selects it; empty: no pool.")
-        .datasource(DS)
         .show_header(True)
         .with_target(
-            q(f"max by (node, nic, pci_address, link_layer, netdev, numa_node, resource) (rdma_dp_nic_info{{{NODE}}})", "A", instant=True)
+            q(
+                "max by (node, nic, pci_address, link_layer, netdev, numa_node, resource) "
+                f"(rdma_dp_nic_info{{{NODE}}})",
+                "A",
+                instant=True,
+            )
         )
         .with_transformation(
             organize(
-                {"node": "Node", "nic": "NIC", "pci_address": "PCI address", "link_layer": "Link layer", "netdev": "Netdev",
-                 "numa_node": "NUMA node", "resource": "Pool"},
+                {
+                    "node": "Node",
+                    "nic": "NIC",
+                    "pci_address": "PCI address",
+                    "link_layer": "Link layer",
+                    "netdev": "Netdev",
+                    "numa_node": "NUMA node",
+                    "resource": "Pool",
+                },
                 ("Time", "Value"),
             )
         )
-        .span(12)
-        .height(8)
     )
-    devices = (
-        ts()
-        .id(next(panel_id))
-        .title("Devices by health")
-        .datasource(DS)
-        .with_target(q(f"sum by (node, resource, health) (rdma_dp_devices{{{NODE}}})", "A", "{{node}} {{resource}} {{health}}"))
-        .span(8)
-        .height(8)
+    devices = place(ts(), "Devices by health", 8, 8).with_target(
+        q(f"sum by (node, resource, health) (rdma_dp_devices{{{NODE}}})", "A", "{{node}} {{resource}} {{health}}")
     )
     registered = (
-        ts()
-        .id(next(panel_id))
-        .title("Registered and stream open")
-        .datasource(DS)
-        .with_target(q(f"max by (node, resource) (rdma_dp_resource_registered{{{NODE}}})", "A", "{{node}} {{resource}} registered"))
-        .with_target(q(f"max by (node, resource) (rdma_dp_kubelet_stream_open{{{NODE}}})", "B", "{{node}} {{resource}} stream open"))
-        .span(8)
-        .height(8)
+        place(ts(), "Registered and stream open", 8, 8)
+        .with_target(
+            q(
+                f"max by (node, resource) (rdma_dp_resource_registered{{{NODE}}})",
+                "A",
+                "{{node}} {{resource}} registered",
+            )
+        )
+        .with_target(
+            q(
+                f"max by (node, resource) (rdma_dp_kubelet_stream_open{{{NODE}}})",
+                "B",
+                "{{node}} {{resource}} stream open",
+            )
+        )
     )
     loops = (
-        ts()
-        .id(next(panel_id))
-        .title("Seconds since each loop last ran")
-        .datasource(DS)
+        place(ts(), "Seconds since each loop last ran", 8, 8)
         .unit("s")
-        .with_target(q(f"time() - max by (node, loop) (rdma_dp_loop_last_success_timestamp_seconds{{{NODE}}})", "A", "{{node}} {{loop}}"))
-        .span(8)
-        .height(8)
+        .with_target(
+            q(
+                f"time() - max by (node, loop) (rdma_dp_loop_last_success_timestamp_seconds{{{NODE}}})",
+                "A",
+                "{{node}} {{loop}}",
+            )
+        )
     )
     dash = (
         db.Dashboard("RDMA device plugin (__RELEASE__)")
