@@ -768,6 +768,8 @@ class Supervisor:
                 self._watching(source, False)
             for server in self.servers:
                 self._supervised("stop", server.stop)
+            if self.discovery.features is not None:
+                self.discovery.features.remove()  # the node's NFD labels go with the plugin
             os.close(self._wake_r)
             os.close(self._wake_w)
             if self.health_file:
@@ -813,7 +815,7 @@ def serve(args: argparse.Namespace) -> int:
 
     if args.nfd_features_file:
         supervisor.discovery.features = nfd.FeatureFile(
-            args.nfd_features_file, config.mode, args.sysfs_root, args.procfs_root
+            args.nfd_features_file, config.mode, args.sysfs_root, args.procfs_root, config.rediscovery_interval_seconds
         )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -184,6 +184,7 @@ class MetricsHooks(Hooks):
         for pool in self.pools:  # make the series exist before the first call
             self.allocations.labels(pool.name, "ok")
             self.allocations.labels(pool.name, "error")
+            self.latency.labels(pool.name)  # the dashboard's Allocate latency panel from the start
             self.registrations.labels(pool.name)
             self.stream_ends.labels(pool.name)
 
