@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .kubelet import format_quantity
+
 ENV_BINARY = "RDMA_REAL_KUBELET"
 BINARY_NAME = "kubelet-dm-serve"
 # <repo root>/../shared/tools/real-kubelet/: this file is <repo>/plugin_src/src/rdma_device_plugin/kubesim/real.py
@@ -46,7 +48,10 @@ def find_binary() -> tuple[str | None, str]:
         if os.access(path, os.X_OK):
             return str(path), ""
     looked = ", ".join(str(p) for p in SEARCH_PATHS)
-    return None, f"the real kubelet device manager ({BINARY_NAME}) is not installed: set ${ENV_BINARY} or put it at {looked}"
+    return (
+        None,
+        f"the kubelet's device manager ({BINARY_NAME}) is not installed: set ${ENV_BINARY} or put it at {looked}",
+    )
 
 
 class RealKubeletError(RuntimeError):
@@ -166,9 +171,10 @@ class RealKubelet:
     def allocatable(self, resource: str) -> int:
         return int(self.must("capacity")["allocatable"].get(resource, 0))
 
-    def node_status(self) -> dict[str, dict[str, int]]:
+    def node_status(self) -> dict[str, dict[str, str]]:
+        """What the kubelet holds for the node status (GetCapacity), as the simulator shows it."""
         reply = self.must("capacity")
-        return {"capacity": reply["capacity"], "allocatable": reply["allocatable"]}
+        return {k: {r: format_quantity(int(n)) for r, n in reply[k].items()} for k in ("capacity", "allocatable")}
 
     def health(self, resource: str) -> dict[str, str]:
         """Device ID -> "Healthy"/"Unhealthy", as the kubelet holds them."""
@@ -185,6 +191,11 @@ class RealKubelet:
         """``endpoint``, ``endpoint_stopped`` and ``options`` of the resource (empty when unknown)."""
         res = self._resource(resource)
         return {k: res[k] for k in ("endpoint", "endpoint_stopped", "options") if k in res}
+
+    def options(self, resource: str) -> dict[str, bool]:
+        """The options the plugin gave at registration (empty when none)."""
+        found: dict[str, bool] = self.endpoint(resource).get("options") or {}
+        return found
 
     def registration_count(self, resource: str) -> int:
         """Registration requests for the resource since the kubelet last started."""
