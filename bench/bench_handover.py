@@ -6,7 +6,7 @@ Kubernetes v1.32.10: the 1.28-1.34 re-registration behaviour of kubernetes issue
 which records capacity and allocatable every 2 ms (``record_start``/``record_stop``):
 
 - plain: the new instance starts and registers while the old one runs; then the old one gets SIGTERM
-  (the DaemonSet controller deletes the old pod once the new one is ready);
+  (the DaemonSet controller deletes the old pod once the new one is ready: 1 s after it registered);
 - slow: the old instance is paused (SIGSTOP) from the moment the new one starts until 0.3 s after
   the new one registered (a CPU-throttled pod), then continues (SIGCONT) and gets SIGTERM.
 
@@ -35,6 +35,7 @@ from rdma_device_plugin.node import fixtures
 RES = "rdma/hca"
 PAUSE_SECONDS = 0.3
 SETTLE_SECONDS = 0.3
+READY_SECONDS = 1.0  # from the new instance's registration to the old pod's deletion
 
 
 def pct(values: list[float], p: float) -> float:
@@ -75,8 +76,8 @@ def handover(kubelet: RealKubelet, instances: Instances, old: subprocess.Popen[b
     finally:
         if slow:
             old.send_signal(signal.SIGCONT)
-    # The DaemonSet controller deletes the old pod once the new one is ready.
-    time.sleep(0.2)
+    # The DaemonSet controller deletes the old pod once the new one is ready (its readiness probe).
+    time.sleep(READY_SECONDS)
     old.terminate()
     old.wait(30)
     time.sleep(SETTLE_SECONDS)

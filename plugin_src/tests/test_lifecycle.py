@@ -479,6 +479,32 @@ def test_handover_to_a_new_instance(  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare (util-linux) is not installed")
+def test_handover_between_two_instances_that_are_both_pid_1(  # type: ignore[no-untyped-def]
+    sim: KubeletSimulator, start_plugin, dp_dir: Path
+) -> None:
+    """In a pod the plugin is PID 1: two instances on a node share the PID, so nothing of a
+    socket name may come from it (the temporary names `.{pid}.{n}` did)."""
+    pid1 = ["unshare", "--pid", "--kill-child=SIGTERM"]
+    if subprocess.run([*pid1, "true"], capture_output=True, check=False).returncode != 0:
+        pytest.skip("no PID namespace here")
+    old = start_plugin(FAST, prefix=pid1)
+    assert sim.wait_registered(RES), old.output()
+    new = start_plugin(FAST, prefix=pid1)
+    assert sim.wait_for(lambda: "standing down" in old.output(), timeout=30), old.output()[-3000:]
+    assert sim.wait_registered(RES, count=2, timeout=30)
+    used = {line.split("socket=")[1].split()[0] for line in old.output().splitlines() + new.output().splitlines()
+            if "INFO    rdma_device_plugin.server: serving" in line}  # fmt: skip
+    assert len(used) == 2, used
+    # unshare ignores SIGTERM while it waits: the plugin (its child) gets it, as from the kubelet
+    with open(f"/proc/{old.proc.pid}/task/{old.proc.pid}/children", encoding="ascii") as fh:
+        os.kill(int(fh.read().split()[0]), signal.SIGTERM)
+    assert old.proc.wait(timeout=30) == 0
+    assert sim.wait_allocatable(RES, 1000, timeout=30) and sim.endpoints[RES].stream_open
+    assert "Traceback" not in old.output() + new.output()
+
+
+@pytest.mark.timeout(120)
 def test_stood_down_instance_serves_again_when_the_newer_one_dies(  # type: ignore[no-untyped-def]
     kubelet: Kubelet, start_plugin, dp_dir: Path
 ) -> None:

@@ -106,6 +106,9 @@ class ResourcePool:
         self._listeners: list[Callable[[], None]] = []  # called, outside the lock, when devices change
         short = self.name.split("/", 1)[1]
         self._shared_ids = tuple(f"{short}-{i}" for i in range(resource.shared_devices))
+        # Shared mode: the device list is all Healthy or all Unhealthy, so each is built once (a
+        # flip of a 100k pool is then a pick, not 100k new devices: bench/bench_listandwatch.py).
+        self._shared_lists: dict[str, tuple[Device, ...]] = {}
 
     # ------------------------------------------------------------------ inputs
 
@@ -212,8 +215,9 @@ class ResourcePool:
             )
         if devices == self._devices:
             return False
+        if self.mode != "shared" or not self._device_ids:  # shared IDs never change
+            self._device_ids = frozenset(d.id for d in devices)
         self._devices = devices
-        self._device_ids = frozenset(d.id for d in devices)
         self._version += 1
         return True
 
@@ -232,9 +236,10 @@ class ResourcePool:
         usable = [self._usable(key) for key in self._seen]
         ok = all(usable) if self.policy == "all" else any(usable)
         health = HEALTHY if ok else UNHEALTHY
-        if self._devices and self._devices[0].health == health:
-            return self._devices  # unchanged: no need to rebuild (and compare) every device at each probe
-        return tuple(Device(i, health) for i in self._shared_ids)
+        devices = self._shared_lists.get(health)
+        if devices is None:
+            devices = self._shared_lists[health] = tuple(Device(i, health) for i in self._shared_ids)
+        return devices
 
     def snapshot(self) -> tuple[int, tuple[Device, ...]]:
         with self._lock:

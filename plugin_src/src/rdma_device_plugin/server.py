@@ -162,6 +162,10 @@ class SnapshotFeed:
         self._lock = threading.Lock()
         self._version = -1
         self._data = b""
+        self._healthy = 0
+        # The last two device lists and their messages: a port that flips back and forth (shared
+        # mode: the pool's all-Healthy and all-Unhealthy lists) is encoded once per state.
+        self._encoded: list[tuple[tuple[Device, ...], bytes, int]] = []
         self._wakers: list[Callable[[], None]] = []
         pool.add_listener(self.changed)
 
@@ -170,12 +174,18 @@ class SnapshotFeed:
         version, devices = self.pool.snapshot()
         with self._lock:
             if version != self._version:
-                self._data = encode_snapshot(devices)
+                found = next((e for e in self._encoded if e[0] == devices), None)
+                if found is None:
+                    healthy = sum(1 for d in devices if d.health == HEALTHY)
+                    found = (devices, encode_snapshot(devices), healthy)
+                    self._encoded = [found, *self._encoded[:1]]
+                _, self._data, self._healthy = found
                 self._version = version
             return self._version, self._data
 
     def healthy(self) -> int:
-        return sum(1 for d in self.pool.snapshot()[1] if d.health == HEALTHY)
+        """Healthy devices in the message :meth:`current` last returned."""
+        return self._healthy
 
     def changed(self) -> None:
         self.current()
