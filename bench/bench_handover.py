@@ -31,17 +31,12 @@ from typing import Any
 
 from rdma_device_plugin.kubesim.real import RealKubelet, find_binary, longest_zero_window
 from rdma_device_plugin.node import fixtures
+from report import load_average, pct
 
 RES = "rdma/hca"
 PAUSE_SECONDS = 0.3
 SETTLE_SECONDS = 0.3
 READY_SECONDS = 1.0  # from the new instance's registration to the old pod's deletion
-
-
-def pct(values: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    s = sorted(values)
-    return s[max(0, min(len(s) - 1, round(p / 100 * len(s) + 0.5) - 1))]
 
 
 class Instances:
@@ -95,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if binary is None:
         print(f"skipped: {why}", file=sys.stderr)
         return 2
-    load = os.getloadavg()
-    print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} cores)", flush=True)
+    print(f"load average at start: {load_average()}", flush=True)
     tmp = tempfile.mkdtemp(prefix="rdph-", dir="/tmp")
     node = fixtures.write_node(os.path.join(tmp, "node"), fixtures.lingjun_node(nics=4))
     dp = os.path.join(tmp, "dp")
@@ -125,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for kind, values in figures.items():
         print(f"| {kind} | {len(values)} | {pct(values, 50):.1f} | {pct(values, 99):.1f} | {max(values):.1f} |")
-    end = os.getloadavg()
-    print(f"\nload average at the end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")
+    print(f"\nload average at the end: {load_average()}")
     return 0
 
 

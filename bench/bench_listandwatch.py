@@ -32,15 +32,11 @@ from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures
+from report import load_average, pct
 
 RES = "rdma/hca"
 DEVICES = 100_000
 LOCAL_POOL = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 16 * 1024 * 1024)]
-
-
-def pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[max(0, min(len(s) - 1, round(p / 100 * len(s) + 0.5) - 1))]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -91,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flips", type=int, default=20, help="port state changes (default 20)")
     parser.add_argument("--plugin-pythonpath", default="", help="run the plugin from this source tree")
     args = parser.parse_args(argv)
-    load = os.getloadavg()
-    print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} cores)", flush=True)
+    print(f"load average at start: {load_average()}", flush=True)
     tmp = tempfile.mkdtemp(prefix="rdpl-", dir="/tmp")
     node = fixtures.write_node(os.path.join(tmp, "node"), fixtures.lingjun_node(nics=4))
     dp = os.path.join(tmp, "dp")
@@ -184,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if values:
             row = f"{1000 * pct(values, 50):.1f} | {1000 * pct(values, 99):.1f} | {1000 * max(values):.1f}"
             print(f"| {name} | {len(values)} | {row} |")
-    end = os.getloadavg()
-    print(f"\nload average at the end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")
+    print(f"\nload average at the end: {load_average()}")
     return 0
 
 

@@ -133,11 +133,7 @@ class Rig:
 # --------------------------------------------------------------------------- stats
 
 
-def pct(values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    s = sorted(values)
-    k = max(0, min(len(s) - 1, round(p / 100 * len(s) + 0.5) - 1))
-    return s[k]
+pct = report.pct
 
 
 def ms(v: float) -> str:
@@ -673,9 +669,7 @@ SECTIONS = (  # (--only name, title, function)
 )
 
 
-def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min, {os.cpu_count()} cores)"
+load_average = report.load_average
 
 
 def main(argv: list[str] | None = None) -> int:

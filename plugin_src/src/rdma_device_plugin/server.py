@@ -153,9 +153,9 @@ class _Wake:
 class SnapshotFeed:
     """A pool's ListAndWatch message, serialized once per change for every stream of every server.
 
-    A pool listener: it encodes in the thread that changed the pool (the supervisor's), outside the
-    pool's lock, then wakes the streams, which only send the bytes. One per pool, for the life of
-    the process (servers come and go)."""
+    The pool's first listener: it encodes in the thread that changed the pool (the supervisor's),
+    outside the pool's lock, before the servers' listeners wake their streams, which only send the
+    bytes. One per pool, for the life of the process (servers come and go)."""
 
     def __init__(self, pool: ResourcePool) -> None:
         self.pool = pool
@@ -166,7 +166,6 @@ class SnapshotFeed:
         # The last two device lists and their messages: a port that flips back and forth (shared
         # mode: the pool's all-Healthy and all-Unhealthy lists) is encoded once per state.
         self._encoded: list[tuple[tuple[Device, ...], bytes, int]] = []
-        self._wakers: list[Callable[[], None]] = []
         pool.add_listener(self.changed)
 
     def current(self) -> tuple[int, bytes]:
@@ -189,19 +188,6 @@ class SnapshotFeed:
 
     def changed(self) -> None:
         self.current()
-        with self._lock:
-            wakers = list(self._wakers)
-        for wake in wakers:
-            wake()
-
-    def add_waker(self, wake: Callable[[], None]) -> None:
-        with self._lock:
-            self._wakers.append(wake)
-
-    def remove_waker(self, wake: Callable[[], None]) -> None:
-        with self._lock:
-            if wake in self._wakers:
-                self._wakers.remove(wake)
 
 
 # A stream event for the supervisor: (resource, server, what) with what one of
@@ -426,7 +412,7 @@ class PluginServer:
         except OSError:
             _Loop.run(server.stop(0))
             raise
-        self.feed.add_waker(wake.notify)
+        self.pool.add_listener(wake.notify)  # after the feed's: the message is encoded when streams wake
         self._server, self._servicer = server, servicer
         LOG.info("serving", extra={"resource": self.pool.name, "socket": self.path})
 
@@ -452,7 +438,7 @@ class PluginServer:
             return
         if servicer is not None:
             servicer.stopping = True
-            self.feed.remove_waker(servicer.wake.notify)
+            self.pool.remove_listener(servicer.wake.notify)
             servicer.wake.notify()  # wake its streams so they end
         await server.stop(grace)
         try:

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .kubeletapi import HEALTHY
+from .kubeletapi import HEALTHY, UNHEALTHY
 from .node.sysfs import Nic
 from .resources import ResourcePool
 from .server import Hooks, LiveStatus
@@ -200,7 +200,7 @@ def render(doc: Mapping[str, Any]) -> str:
                 ",".join(n["netdevs"]) or "-",
                 "-" if n["numa_node"] is None else str(n["numa_node"]),
                 ",".join(n["ports"]) or "-",
-                "Healthy" if n["healthy"] else "Unhealthy",
+                HEALTHY if n["healthy"] else UNHEALTHY,
                 n["why"] or "-",
             )
         )

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..kubeletapi import HEALTHY, KUBELET_SOCKET, UNHEALTHY
 from .kubelet import format_quantity
 
 ENV_BINARY = "RDMA_REAL_KUBELET"
@@ -90,7 +91,7 @@ class RealKubelet:
         self.numa_nodes = numa_nodes
         self.policy = policy
         self.klog = klog or device_plugin_dir.rstrip("/") + ".klog"
-        self.socket = os.path.join(device_plugin_dir, "kubelet.sock")
+        self.socket = os.path.join(device_plugin_dir, KUBELET_SOCKET)
         self.restarts = 0
         self._lock = threading.Lock()  # one request at a time: the protocol is one line in, one out
         self._proc = subprocess.Popen(
@@ -179,8 +180,8 @@ class RealKubelet:
     def health(self, resource: str) -> dict[str, str]:
         """Device ID -> "Healthy"/"Unhealthy", as the kubelet holds them."""
         res = self._resource(resource)
-        out = {d["id"]: "Unhealthy" for d in res.get("unhealthy", [])}
-        out.update({d["id"]: "Healthy" for d in res.get("healthy", [])})
+        out = {d["id"]: UNHEALTHY for d in res.get("unhealthy", [])}
+        out.update({d["id"]: HEALTHY for d in res.get("healthy", [])})
         return out
 
     def numa(self, resource: str) -> dict[str, list[int]]:
