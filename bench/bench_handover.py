@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("### Handover: longest time the kubelet shows allocatable 0 (real device manager v1.32.10, ms)")
     print()
-    print("| handover | runs | p50 | p99 | max |")
+    print("| what | runs | p50 | p99 | max |")
     print("|---|---|---|---|---|")
     for kind, values in figures.items():
         print(f"| {kind} | {len(values)} | {pct(values, 50):.1f} | {pct(values, 99):.1f} | {max(values):.1f} |")

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     streams = f"{args.streams} extra streams + the kubelet's"
     print(f"### ListAndWatch at {DEVICES} devices ({streams}; message {size} bytes; ms)")
     print()
-    print("| what | n | p50 | p99 | max |")
+    print("| what | runs | p50 | p99 | max |")
     print("|---|---|---|---|---|")
     for name, values in (
         ("port flip -> new message at the last stream", reach),
