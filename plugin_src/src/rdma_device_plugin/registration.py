@@ -7,21 +7,20 @@ States::
 
     down ──serve──> serving ──Register sent──> registering ──OK──> awaiting stream ──kubelet's
      ^                 ^  ^                         │ failed (backoff)                 ListAndWatch──> registered
-     │                 │  └─────────────────────────┘          │ no stream in 5 s (backoff)              │
+     │                 │  └─────────────────────────┘          │ no stream in 1 s (backoff)              │
      │                 └───────────────────────────────────────┘ <── the kubelet ended its stream ─────┘
      │                                                              (at once the first time, then backoff)
      └── our socket removed (no newer instance) / kubelet restart      stood down <── a newer instance took over
 
 Handover (a DaemonSet rolling update, a mode switch): every instance serves its own socket name
 (:mod:`.sockets`). A new instance registers while the old one still serves; once the kubelet has
-opened the new instance's stream, the new instance removes the older instances' sockets of the
-resource (a moment later: TAKEOVER_DELAY_SECONDS). The old one sees its socket gone while a newer
-instance listens, and stands down:
-it stops serving, so its stream ends only when the kubelet already holds the new, healthy
-endpoint. Kubelets with kubernetes PR 135437 (endpoints by socket path) then disconnect just the
-old client: no gap. Kubelets 1.28-1.34 cut the client registered *now* when an older stream ends
-(kubernetes 121994/127803): the new instance sees the kubelet end its stream and registers again
-at once, a gap of one registration.
+opened the new instance's stream (and TAKEOVER_DELAY_SECONDS later), the new instance removes the
+older instances' sockets of the resource. The old one sees its socket gone while a newer instance
+listens and stands down: it stops serving, so its stream ends only when the kubelet already holds
+the new, healthy endpoint. Kubelets with kubernetes PR 135437 (endpoints by socket path) then
+disconnect just the old client: no gap. Kubelets 1.28-1.34 cut the client registered *now* when an
+older stream ends (kubernetes 121994/127803): the new instance sees the kubelet end its stream and
+registers again at once, a gap of one registration.
 """
 
 from __future__ import annotations
@@ -92,6 +91,7 @@ class Registration:
         self._stream_deadline = 0.0
         self._takeover_at: float | None = None  # when to remove older instances' sockets
         self._sent_ns = 0  # when the last Register was sent (wall clock, as kubelet.sock's ctime)
+        self._stopping: list[concurrent.futures.Future[None]] = []  # servers stopping on the gRPC loop
         self.changes = 0  # bumped at every state change: the liveness file says so at once
 
     def _set(self, state: State) -> None:
@@ -337,15 +337,18 @@ class Registration:
             pending.cancel()
 
     def _drop_server(self) -> None:
+        """Stop the server on the gRPC loop, not waiting here: its streams end there."""
         server, self.server = self.server, None
+        self._stopping = [f for f in self._stopping if not f.done()]
         if server is not None:
-            server.stop()
+            self._stopping.append(server.stop_soon())
 
-    def stop(self) -> PluginServer | None:
-        """At exit: cancel a Register in flight; the server to stop (all together, by the caller)."""
+    def stop(self) -> tuple[PluginServer | None, list[concurrent.futures.Future[None]]]:
+        """At exit: cancel a Register in flight; the server to stop (all together, by the caller)
+        and the servers still stopping."""
         self._cancel()
         server, self.server = self.server, None
-        return server
+        return server, self._stopping
 
     def open_streams(self) -> int:
         return self.server.open_streams() if self.server is not None else 0

@@ -450,6 +450,10 @@ class PluginServer:
     def stop(self, grace: float = 0.5) -> None:
         _Loop.run(self.stop_async(grace), timeout=grace + 10.0)
 
+    def stop_soon(self, grace: float = 0.5) -> concurrent.futures.Future[None]:
+        """Stop on the loop without waiting for it (an Allocate in flight gets its grace there)."""
+        return _Loop.submit(self.stop_async(grace))
+
     def register(self, timeout: float = REGISTER_TIMEOUT_SECONDS) -> concurrent.futures.Future[None]:
         """Send Register on the loop; the future fails with grpc.RpcError or OSError."""
         return _Loop.submit(self._register(timeout))
@@ -478,10 +482,14 @@ class PluginServer:
         LOG.info("registered with kubelet", extra={"resource": self.pool.name, "endpoint": self.socket_name})
 
 
-def stop_all(servers: Iterable[PluginServer], grace: float = 0.5) -> None:
-    """Stop servers together: the exit takes one grace period, not one per resource."""
+def stop_all(
+    servers: Iterable[PluginServer], stopping: Iterable[concurrent.futures.Future[None]] = (), grace: float = 0.5
+) -> None:
+    """Stop servers together, and let the ones already stopping finish: the exit takes one grace
+    period, not one per resource."""
 
     async def stop() -> None:
         await asyncio.gather(*(s.stop_async(grace) for s in servers))
 
     _Loop.run(stop(), timeout=grace + 10.0)
+    concurrent.futures.wait(list(stopping), timeout=grace + 1.0)

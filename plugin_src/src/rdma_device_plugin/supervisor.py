@@ -483,13 +483,15 @@ class Supervisor:
         try:
             self._loop()
         finally:
-            servers = [s for s in (r.stop() for r in self.registrations) if s is not None]
+            stopped = [r.stop() for r in self.registrations]
+            servers = [server for server, _ in stopped if server is not None]
+            stopping = [f for _, futures in stopped for f in futures]
             for pool in self.pools:
                 pool.close()
             self.discovery.close()
             for source in list(self._sources.values()):
                 self._watching(source, False)
-            self._supervised("stop", lambda: stop_all(servers, STOP_GRACE_SECONDS))
+            self._supervised("stop", lambda: stop_all(servers, stopping, STOP_GRACE_SECONDS))
             os.close(self._wake_r)
             os.close(self._wake_w)
             if self.health_file:
