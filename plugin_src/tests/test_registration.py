@@ -127,3 +127,34 @@ def test_listandwatch_is_serialized_once_per_change_for_every_stream(
     assert len(received) == 10 and all(r == received[0] for r in received)
     healthy = [sum(d.health == "Healthy" for d in pb.ListAndWatchResponse.FromString(m).devices) for m in received[0]]
     assert healthy == [1000, 0, 1000, 0]
+
+
+def test_the_real_kubelet_is_looked_for_in_order_and_its_absence_says_where(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from rdma_device_plugin.kubesim import real
+
+    monkeypatch.setenv(real.ENV_BINARY, str(tmp_path / "nope"))
+    binary, why = real.find_binary()
+    assert binary is None and f"${real.ENV_BINARY}={tmp_path / 'nope'} is not an executable file" in why
+    monkeypatch.delenv(real.ENV_BINARY)
+    missing = (tmp_path / "a" / real.BINARY_NAME, tmp_path / "b" / real.BINARY_NAME)
+    monkeypatch.setattr(real, "SEARCH_PATHS", missing)
+    binary, why = real.find_binary()
+    assert binary is None and str(missing[0]) in why and str(missing[1]) in why and real.ENV_BINARY in why
+    found = tmp_path / "b" / real.BINARY_NAME
+    found.parent.mkdir()
+    found.write_text("#!/bin/sh\n", encoding="utf-8")
+    found.chmod(0o755)
+    assert real.find_binary() == (str(found), "")
+
+
+def test_the_longest_allocatable_0_window_of_a_recording() -> None:
+    from rdma_device_plugin.kubesim.real import longest_zero_window
+
+    up = {"running": True, "allocatable": {"rdma/hca": 1000}}
+    down = {"running": True, "allocatable": {"rdma/hca": 0}}
+    stopped = {"running": False}
+    transitions = [{**up, "ms": 0}, {**down, "ms": 10}, {**up, "ms": 15}, {**stopped, "ms": 40}, {**up, "ms": 52}]
+    assert longest_zero_window(transitions, "rdma/hca", 100) == 12  # no kubelet running counts as 0
+    assert longest_zero_window([*transitions, {**down, "ms": 80}], "rdma/hca", 100) == 20  # still 0 at the end
