@@ -7,7 +7,7 @@ States::
 
     down ──serve──> serving ──Register sent──> registering ──OK──> awaiting stream ──kubelet's
      ^                 ^  ^                         │ failed (backoff)                 ListAndWatch──> registered
-     │                 │  └─────────────────────────┘          │ no stream in 1 s (backoff)              │
+     │                 │  └─────────────────────────┘          │ no stream in 2 s (backoff)              │
      │                 └───────────────────────────────────────┘ <── the kubelet ended its stream ─────┘
      │                                                              (at once the first time, then backoff)
      └── our socket removed (no newer instance) / kubelet restart      stood down <── a newer instance took over
@@ -43,7 +43,7 @@ LOG = logging.getLogger(__name__)
 
 # After Register the kubelet opens ListAndWatch at once (a few ms); without it in this long, the
 # registration did not take (an older stream's end cut it before it opened): register again.
-STREAM_WAIT_SECONDS = 1.0
+STREAM_WAIT_SECONDS = 2.0
 # Taking over waits this long after the kubelet opened our stream. The older instance stands down
 # at once, and on 1.28-1.34 kubelets its stream's end cuts whichever client is registered when
 # the kubelet's goroutine of the cut client looks (handler.go runClient, after client.go Run
@@ -92,6 +92,7 @@ class Registration:
         self._takeover_at: float | None = None  # when to remove older instances' sockets
         self._sent_ns = 0  # when the last Register was sent (wall clock, as kubelet.sock's ctime)
         self._stopping: list[concurrent.futures.Future[None]] = []  # servers stopping on the gRPC loop
+        self._newer_gone = False  # stood down, and no newer instance listened at the last slow pass
         self.changes = 0  # bumped at every state change: the liveness file says so at once
 
     def _set(self, state: State) -> None:
@@ -245,8 +246,14 @@ class Registration:
     def step(self, now: float, kubelet_present: bool, slow: bool) -> None:
         """React to the socket's state and run what is due (``slow``: the once-a-second pass)."""
         if self.state is State.STOOD_DOWN:
-            if not slow or self.newer_instance() is not None:
+            if not slow:
                 return
+            # Two passes in a row without a newer instance listening: a kubelet restart removes
+            # every socket, and the newer instance serves again within milliseconds.
+            gone, self._newer_gone = self._newer_gone, self.newer_instance() is None
+            if not (gone and self._newer_gone):
+                return
+            self._newer_gone = False
             LOG.info("no newer instance serves %s any more; serving it again", self.name)
             self._remove_stale(newer=True)
             self._set(State.DOWN)
