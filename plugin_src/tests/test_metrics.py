@@ -137,11 +137,12 @@ def test_metrics_alerts_rely_on(sim: KubeletSimulator, start_plugin, dp_dir: Pat
     for _ in range(5):  # a debugging client: opens a stream, reads the snapshot, goes
         with grpc.insecure_channel(f"unix://{plugin_socket(dp_dir)}") as ch:
             next(pb_grpc.DevicePluginStub(ch).ListAndWatch(pb.Empty(), timeout=30))
-    assert sim.wait_for(lambda: plugin.output().count("a ListAndWatch stream of another client ended") == 5, 30)
+    time.sleep(1.5)  # a re-registration would have been sent by now, even after a backoff
     m = _scrape(port)
     assert _get(m, "rdma_dp_stream_ends_total", resource=RES) == 0
     assert _get(m, "rdma_dp_kubelet_stream_open", resource=RES) == 1
     assert _get(m, "rdma_dp_registrations_total", resource=RES) == 1
+    assert sim.wait_for(lambda: plugin.output().count("a ListAndWatch stream of another client ended") == 5, 30)
     sim.end_stream(RES)
     assert sim.wait_for(lambda: scraped("rdma_dp_stream_ends_total", resource=RES) == 1, timeout=30), plugin.output()
     assert sim.wait_registered(RES, count=2, timeout=30)
