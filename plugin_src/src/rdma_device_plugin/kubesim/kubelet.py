@@ -276,17 +276,18 @@ class KubeletSimulator:
     def start(self) -> KubeletSimulator:
         """manager.go Start: clean the dir, read the checkpoint back, serve kubelet.sock."""
         os.makedirs(self.dir, exist_ok=True)
-        self._cleanup_dir()
-        self._read_checkpoint()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kubelet-sim"))
         pb_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
-        server.add_insecure_port(f"unix://{self.socket}")
-        server.start()
-        self._server = server
-        with self._cond:
+        with self._cond:  # after a stopped kubelet's last write, as a new process comes after the old
+            self._cleanup_dir()
+            self._read_checkpoint()
             self._generation += 1
             self._started_at = time.monotonic()
             self._starts_seen = len(self.registrations)
+            self._server = server
+        server.add_insecure_port(f"unix://{self.socket}")
+        server.start()
+        with self._cond:
             self._recorded()
         if self.node_status_sync_seconds and self._sync_thread is None:
             self._sync_stop.clear()
@@ -295,7 +296,8 @@ class KubeletSimulator:
         return self
 
     def stop(self) -> None:
-        server, self._server = self._server, None
+        with self._cond:
+            server, self._server = self._server, None  # no checkpoint write from here on
         if server is not None:
             server.stop(0).wait(2)
         self._sync_stop.set()
@@ -353,6 +355,9 @@ class KubeletSimulator:
         return {"PodDeviceEntries": entries or None, "RegisteredDevices": registered}
 
     def _write_checkpoint(self) -> None:
+        """Under the lock; a stopped kubelet writes nothing (its process is gone)."""
+        if self._server is None:
+            return
         data = self._checkpoint_data()
         doc = {"Data": data, "Checksum": checkpoint_checksum(data)}
         path = os.path.join(self.dir, CHECKPOINT)
@@ -771,6 +776,7 @@ class KubeletSimulator:
             return existing  # needed == 0: nothing to do
         if ep.stopped or ep.stub is None:
             raise AllocationFailed(f"endpoint {resource} has been stopped")  # endpoint.go allocate
+        generation = self._generation
         areq = pb.AllocateRequest()
         areq.container_requests.add(devices_ids=self._unsorted(ids))
         try:
@@ -781,6 +787,8 @@ class KubeletSimulator:
             raise AllocationFailed(f"no containers return in allocation response {aresp}")
         alloc = Allocation(pod, container, resource, sorted(ids), aresp.container_responses[0])
         with self._cond:
+            if generation != self._generation:
+                raise AllocationFailed("the kubelet stopped during the allocation")
             self.allocations.append(alloc)
             self._write_checkpoint()
         return alloc
