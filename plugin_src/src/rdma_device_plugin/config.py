@@ -13,13 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from . import sockets
+from .kubeletapi import MAX_MESSAGE_BYTES
 from .node.selectors import MELLANOX_VENDOR, Selectors
 
 CONFIG_VERSION = "v1"
-# The kubelet's gRPC client keeps grpc-go's default receive limit: a bigger ListAndWatch
-# message fails the stream (kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/client.go dial).
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path is 108 bytes with the NUL
 DEFAULT_RESOURCE = "rdma/hca"
 DEFAULT_SHARED_DEVICES = 1000
 MAX_SHARED_DEVICES = 100_000
@@ -49,11 +47,6 @@ def resource_name_problem(name: str) -> str | None:
     if len(short) > 63 or not _QUALIFIED_NAME.fullmatch(short):
         return f"name {short!r} must be 1-63 alphanumerics, '-', '_' or '.', starting and ending alphanumeric"
     return None
-
-
-def socket_name(resource_name: str) -> str:
-    """Socket file name for a resource: rdma/hca -> rdma-dp-rdma_hca.sock."""
-    return "rdma-dp-" + resource_name.replace("/", "_").replace(".", "-") + ".sock"
 
 
 def _varint_len(n: int) -> int:
@@ -90,12 +83,9 @@ def socket_path_problems(config: PluginConfig, device_plugin_dir: str) -> list[s
     """Socket paths the kernel cannot bind under ``device_plugin_dir``."""
     out = []
     for r in config.resources:
-        path = f"{device_plugin_dir.rstrip('/')}/{socket_name(r.name)}"
-        if len(path.encode()) > MAX_SOCKET_PATH:
-            out.append(
-                f"resources[{r.name}]: socket path {path} is {len(path.encode())} bytes; unix sockets allow "
-                f"{MAX_SOCKET_PATH}: shorten the resource name or the device-plugin dir"
-            )
+        problem = sockets.path_problem(device_plugin_dir, r.name)
+        if problem:
+            out.append(f"resources[{r.name}]: {problem}")
     return out
 
 
@@ -273,11 +263,11 @@ class PluginConfig(_Strict):
             raise ValueError(f"duplicate resource name(s) {dupes}: give every resource its own name")
         by_socket: dict[str, list[str]] = {}
         for n in names:
-            by_socket.setdefault(socket_name(n), []).append(n)
+            by_socket.setdefault(sockets.base_name(n), []).append(n)
         for sock, owners in sorted(by_socket.items()):
             if len(owners) > 1:
                 raise ValueError(
-                    f"resource names {owners} map to the same socket file {sock} ('/' and '.' are replaced): "
+                    f"resource names {owners} map to the same socket file name {sock} ('/' and '.' are replaced): "
                     "rename one of them"
                 )
         for r in value:
