@@ -224,7 +224,8 @@ def main():
         module.exit_json(changed=bool(alive), pids=pids, restarted=[], stopped=alive)
 
     python = p["python"] or sys.executable
-    if len(p["device_plugin_dir"]) + len("/rdma-dp-rdma_hca.sock") + 20 > 107:
+    # The plugin's socket names: /rdma-dp-<resource>.<20-digit instance>.<up to 6 digits>.sock
+    if len(p["device_plugin_dir"]) + len("/rdma-dp-rdma_hca") + 33 + 20 > 107:
         module.fail_json(msg=f"device_plugin_dir {p['device_plugin_dir']} is too long for unix socket paths (< 108 bytes)")
     if not os.path.isfile(p["config_path"]):
         module.fail_json(msg=f"plugin config {p['config_path']} does not exist")

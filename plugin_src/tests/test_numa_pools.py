@@ -77,8 +77,9 @@ def test_a_local_pool_over_the_message_limit_is_refused_with_the_key() -> None:
     ("data", "message"),
     [
         ({"mode": "exclusive", "resources": [{"numaPools": True}]}, "applies to shared mode only"),
-        ({"resources": [{"numaPools": True}, {"name": "rdma/hca-numa3"}]}, "are made by numaPools of rdma/hca"),
-        ({"resources": [{"numaPools": True}, {"name": "rdma/hca-local"}]}, "are made by numaPools of rdma/hca"),
+        ({"resources": [{"numaPools": True}, {"name": "rdma/hca-numa3"}]}, "numaPools of rdma/hca makes"),
+        ({"resources": [{"numaPools": True}, {"name": "rdma/hca-local"}]}, "numaPools of rdma/hca makes"),
+        ({"resources": [{"numaPools": True}, {"name": "rdma/hca.numa1"}]}, "share a socket name with"),
         ({"resources": [{"name": "rdma/" + "a" * 55, "numaPools": True}]}, "numaPools makes names like"),
     ],
 )

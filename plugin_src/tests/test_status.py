@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rdma_device_plugin.health import NicHealth
 from rdma_device_plugin.node import fixtures
-from rdma_device_plugin.status import default_status_file, nic_health, render
+from rdma_device_plugin.status import default_status_file, render
 
 RES = "rdma/hca"
 
@@ -74,10 +75,12 @@ def test_status_without_a_running_plugin_says_so(tmp_path: Path) -> None:
 
 
 def test_nic_health_reasons() -> None:
-    assert nic_health(True, ("ACTIVE",), True) == (True, "")
-    assert nic_health(False, (), False) == (False, "NIC gone from sysfs")
-    assert nic_health(True, ("ACTIVE", "INIT"), True) == (False, "port 2 INIT (not ACTIVE)")
-    assert nic_health(True, ("ACTIVE",), False) == (False, "no uverbs character device")
+    """The one health rule (health.py): the pools apply it, the status file shows its reason."""
+    assert NicHealth(True, ("ACTIVE",), True).healthy and NicHealth(True, ("ACTIVE",), True).why == ""
+    assert NicHealth(False, (), False).why == "NIC gone from sysfs"
+    assert NicHealth(True, ("ACTIVE", "INIT"), True).why == "port 2 INIT (not ACTIVE)"
+    assert NicHealth(True, ("ACTIVE",), False).why == "no uverbs character device"
+    assert NicHealth(True, (), True).why == "no ports" and not NicHealth(True, (), True).healthy
 
 
 def test_render_puts_the_result_first() -> None:
@@ -88,14 +91,14 @@ def test_render_puts_the_result_first() -> None:
 
 
 def test_status_file_survives_a_kubelet_restart(sim, start_plugin, dp_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    """A restarting kubelet deletes every file of the device-plugin dir but the checkpoint
-    (kubelet_sim.restart mirrors server.removeContents); the status file lives in a subdirectory."""
+    """A restarting 1.32 kubelet deletes every file of the device-plugin dir but the checkpoint
+    (manager.go CleanupPluginDirectory, as the simulator's start does); the status file lives in a
+    subdirectory."""
     start_plugin()
     assert sim.wait_registered(RES)
     wait_doc(dp_dir, lambda d: bool(d["resources"]))
-    registrations = sum(1 for _, r in sim.registrations if r == RES)
     sim.restart()
-    assert sim.wait_registered(RES, count=registrations + 1, timeout=30)
+    assert sim.wait_registered(RES, timeout=30)
     assert status(dp_dir).returncode == 0
 
 
@@ -131,7 +134,7 @@ def test_port_state_hook_fires_once_the_pools_applied_the_change(node: fixtures.
     """The status-file writer sleeps until a hook fires and then re-reads the pools (no periodic
     rewrite): a hook fired before the pools apply a change would leave a stale allocatable there."""
     from rdma_device_plugin.config import PluginConfig
-    from rdma_device_plugin.daemon import Discovery
+    from rdma_device_plugin.discovery import Discovery
     from rdma_device_plugin.resources import build_pools
     from rdma_device_plugin.server import Hooks
 

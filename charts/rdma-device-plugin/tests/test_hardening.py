@@ -344,10 +344,21 @@ def test_image_registry_and_global_image_registry() -> None:
     def image(values: dict[str, Any]) -> str:
         return str(daemonsets(values)["shared"]["spec"]["template"]["spec"]["containers"][0]["image"])
 
+    # bitnami's common.images.image: global.imageRegistry overrides image.registry; the repository has no host
+    assert image({}) == "registry.example.com/rdma/rdma-device-plugin:0.1.0"
+    assert image({"global": {"imageRegistry": "mirror.corp:5000"}}) == "mirror.corp:5000/rdma/rdma-device-plugin:0.1.0"
     assert image({"image": {"repository": "rdma/plugin"}, "global": {"imageRegistry": "mirror.local"}}) == "mirror.local/rdma/plugin:0.1.0"
-    assert image({"image": {"repository": "rdma/plugin", "registry": "own.local:5000"}, "global": {"imageRegistry": "mirror.local"}}) == "own.local:5000/rdma/plugin:0.1.0"
+    assert image({"image": {"repository": "rdma/plugin", "registry": "own.local:5000"}, "global": {"imageRegistry": "mirror.local"}}) == "mirror.local/rdma/plugin:0.1.0"
+    assert image({"image": {"repository": "rdma/plugin", "registry": ""}}) == "rdma/plugin:0.1.0"
     pod = one(manifests({"image": {"repository": "rdma/plugin", "registry": "own.local"}}), "Pod", "-test-allocation")
     assert pod["spec"]["containers"][0]["image"] == "own.local/rdma/plugin:0.1.0"
+    # a repository that names its host (what the Ansible automation sets) is taken whole...
+    for repo in ("127.0.0.1:5000/rdma-device-plugin", "localhost/rdma-device-plugin", "registry.corp/rdma/plugin"):
+        assert image({"image": {"repository": repo}}) == f"{repo}:0.1.0"
+        # ...and cannot take a mirror: one clear error instead of "<mirror>/<host>/<path>"
+        message = _render_error({"image": {"repository": repo}, "global": {"imageRegistry": "mirror.corp:5000"}})
+        assert f"global.imageRegistry=mirror.corp:5000 cannot apply: image.repository={repo} starts with a registry host" in message
+        assert "image.registry" in message
 
 
 def test_common_labels_on_every_object() -> None:
@@ -377,3 +388,47 @@ def test_namespace_override() -> None:
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["rdma-system"]}
     assert "-n rdma-system" in render(values)["rdma-device-plugin/templates/NOTES.txt"]
 
+
+
+# ------------------------------------------------------------------ hostNetwork x nonHostNetwork x mode: README and NOTES true for each
+
+
+def _combination_rows() -> list[dict[str, str]]:
+    section = README.split("Every combination, for either `mode`", 1)[1].split("\n\n", 2)[1]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip().replace("`", "") for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+
+
+def test_readme_combination_table_has_every_row() -> None:
+    rows = _combination_rows()
+    assert sorted((r["hostNetwork"], r["nonHostNetwork.enabled"]) for r in rows) == [
+        ("false", "false"), ("false", "true"), ("true", "false"), ("true", "true")]
+
+
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+def test_readme_and_notes_true_for_every_combination(mode: str) -> None:
+    """Each README row rendered: what it says of the plugin pods, RDMA pods and the NFD IPv6 label
+    holds for the DaemonSets, the policy and NOTES of that combination."""
+    for row in _combination_rows():
+        host, nhn = row["hostNetwork"] == "true", row["nonHostNetwork.enabled"] == "true"
+        values = {"mode": mode, "hostNetwork": host, "nonHostNetwork": {"enabled": nhn}}
+        in_node_netns = row["plugin pods"] == "node's network namespace"
+        assert in_node_netns or row["plugin pods"] == "pod network", row
+        for ds in daemonsets(values).values():
+            spec = ds["spec"]["template"]["spec"]
+            assert spec.get("hostNetwork", False) is in_node_netns, row
+        # the plugin writes the IPv6 label only when it sees the node's network namespace (nfd.py)
+        assert (row["NFD rdma-ipv6-compute-ready"] == "written") is in_node_netns, row
+        assert row["port changes noticed by"].startswith("link events" if in_node_netns else "polling"), row
+        must_host = row["RDMA pods"] == "must use `hostNetwork: true`"
+        assert must_host or row["RDMA pods"] == "may keep their own network namespace", row
+        policy = one(manifests(values), "ValidatingAdmissionPolicy", "-rdma-pods")
+        assert any("hostNetwork" in v["expression"] for v in policy["spec"]["validations"]) is must_host, row
+        notes = render(values)["rdma-device-plugin/templates/NOTES.txt"]
+        assert ("The plugin pods run in the node's network namespace (hostNetwork: true" in notes) is in_node_netns, row
+        assert ("The plugin pods run in the pod network (hostNetwork: false)" in notes) is not in_node_netns, row
+        assert ("the plugin pods (hostPath volumes, hostNetwork)" in notes) is in_node_netns, row
+        assert ("RDMA works only for pods with hostNetwork: true" in notes) is must_host, row
+        assert ("RDMA pods may keep their own network namespace" in notes) is not must_host, row
+        assert f"default mode: {mode}" in notes

@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _discover(args)
         if args.command == "fixture":
             return _fixture(args)
-        from .daemon import serve
+        from .supervisor import serve
 
         return serve(args)
     except ConfigError as exc:

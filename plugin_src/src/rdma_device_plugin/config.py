@@ -14,13 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from . import sockets
+from .kubeletapi import MAX_MESSAGE_BYTES
 from .node.selectors import MELLANOX_VENDOR, Selectors
 
 CONFIG_VERSION = "v1"
-# The kubelet's gRPC client keeps grpc-go's default receive limit: a bigger ListAndWatch
-# message fails the stream (kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/client.go dial).
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path is 108 bytes with the NUL
 DEFAULT_RESOURCE = "rdma/hca"
 DEFAULT_SHARED_DEVICES = 1000
 MAX_SHARED_DEVICES = 100_000
@@ -65,11 +63,6 @@ def local_resource_name(name: str) -> str:
     return f"{name}{LOCAL_SUFFIX}"
 
 
-def socket_name(resource_name: str) -> str:
-    """Socket file name for a resource: rdma/hca -> rdma-dp-rdma_hca.sock."""
-    return "rdma-dp-" + resource_name.replace("/", "_").replace(".", "-") + ".sock"
-
-
 def _varint_len(n: int) -> int:
     return max(1, (n.bit_length() + 6) // 7)
 
@@ -105,12 +98,9 @@ def socket_path_problems(config: PluginConfig, device_plugin_dir: str) -> list[s
     out = []
     for r in config.resources:
         for name in [r.name, *_derived_names(r)]:
-            path = f"{device_plugin_dir.rstrip('/')}/{socket_name(name)}"
-            if len(path.encode()) > MAX_SOCKET_PATH:
-                out.append(
-                    f"resources[{r.name}]: socket path {path} is {len(path.encode())} bytes; unix sockets allow "
-                    f"{MAX_SOCKET_PATH}: shorten the resource name or the device-plugin dir"
-                )
+            problem = sockets.path_problem(device_plugin_dir, name)
+            if problem:
+                out.append(f"resources[{r.name}]: {problem}")
     return out
 
 
@@ -377,19 +367,23 @@ class PluginConfig(_Strict):
                     raise ValueError(
                         f"resource {r.name}: numaPools makes names like {derived}, which {problem}: shorten the name"
                     )
-            numa_name = re.compile(re.escape(r.name + NUMA_SUFFIX) + r"[0-9]+")
-            clash = [n for n in names if r.numa_pools and (numa_name.fullmatch(n) or n == local_resource_name(r.name))]
+            # compared by socket base name: rdma/hca.local would serve rdma/hca-local's sockets
+            numa_base = re.compile(re.escape(sockets.base_name(r.name) + NUMA_SUFFIX) + r"[0-9]+")
+            local_base = sockets.base_name(local_resource_name(r.name))
+            bases = {n: sockets.base_name(n) for n in names if n != r.name}
+            clash = [n for n, b in bases.items() if r.numa_pools and (numa_base.fullmatch(b) or b == local_base)]
             if clash:
                 raise ValueError(
-                    f"resource name(s) {clash} are made by numaPools of {r.name}: rename them or turn numaPools off"
+                    f"resource name(s) {clash} are (or share a socket name with) names numaPools of {r.name} makes: "
+                    "rename them or turn numaPools off"
                 )
         by_socket: dict[str, list[str]] = {}
         for n in names:
-            by_socket.setdefault(socket_name(n), []).append(n)
+            by_socket.setdefault(sockets.base_name(n), []).append(n)
         for sock, owners in sorted(by_socket.items()):
             if len(owners) > 1:
                 raise ValueError(
-                    f"resource names {owners} map to the same socket file {sock} ('/' and '.' are replaced): "
+                    f"resource names {owners} map to the same socket file name {sock} ('/' and '.' are replaced): "
                     "rename one of them"
                 )
         for r in value:

@@ -18,8 +18,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from . import __version__
+from .kubeletapi import HEALTHY, UNHEALTHY
 from .node.sysfs import ACTIVE_STATES, Nic
-from .resources import HEALTHY, UNHEALTHY, ResourcePool
+from .resources import ResourcePool
 from .server import Hooks, LiveStatus
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -93,7 +94,7 @@ class _StateCollector(Collector):
         )
         for pool in self.hooks.pools:
             registered.add_metric([pool.name], 1 if pool.name in status.registered else 0)
-            streams.add_metric([pool.name], 1 if status.streams.get(pool.name, 0) > 0 else 0)
+            streams.add_metric([pool.name], 1 if pool.name in status.kubelet_streams else 0)
         yield registered
         yield streams
         loops = GaugeMetricFamily(
@@ -184,6 +185,7 @@ class MetricsHooks(Hooks):
         for pool in self.pools:  # make the series exist before the first call
             self.allocations.labels(pool.name, "ok")
             self.allocations.labels(pool.name, "error")
+            self.latency.labels(pool.name)  # the dashboard's Allocate latency panel from the start
             self.registrations.labels(pool.name)
             self.stream_ends.labels(pool.name)
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 from . import cdi, netchecks
 from .config import PluginConfig, ResourceConfig
+from .health import NicHealth
+from .kubeletapi import HEALTHY, UNHEALTHY
 from .node.selectors import Selectors
-from .node.sysfs import ACTIVE_STATES, Nic
+from .node.sysfs import Nic
 
 LOG = logging.getLogger(__name__)
-HEALTHY = "Healthy"
-UNHEALTHY = "Unhealthy"
 RDMA_CM_PATH = "/dev/infiniband/rdma_cm"
 
 
@@ -55,16 +55,8 @@ class ContainerAllocation:
     cdi_devices: tuple[str, ...] = ()  # fully-qualified CDI names (cdi.enabled); then devices is empty
 
 
-@dataclass(frozen=True)
-class NicHealth:
-    """What the health probe knows about one NIC the pool has seen."""
-
-    present: bool
-    ports: tuple[str, ...]  # port states; empty when gone
-
-    @property
-    def healthy(self) -> bool:
-        return self.present and bool(self.ports) and all(s in ACTIVE_STATES for s in self.ports)
+def _has_uverbs(nic: Nic) -> bool:
+    return nic.uverbs is not None and nic.uverbs.present
 
 
 def nic_identity(nic: Nic) -> str:
@@ -73,7 +65,12 @@ def nic_identity(nic: Nic) -> str:
 
 
 class ResourcePool:
-    """One advertised resource. Thread-safe: discovery, the health probe and gRPC calls share it."""
+    """One advertised resource. Thread-safe: discovery, the health probe and gRPC calls share it.
+
+    Interface: fed by :meth:`set_nics` (a discovery result) and :meth:`set_port_states` (a probe);
+    read through :meth:`snapshot` (versioned device list), :meth:`allocate` and :meth:`preferred`;
+    listeners (:meth:`add_listener`) hear of every device change, called outside the pool's lock.
+    """
 
     def __init__(self, resource: ResourceConfig, config: PluginConfig) -> None:
         self.resource = resource
@@ -90,7 +87,7 @@ class ResourcePool:
         )
         self.with_umad = config.char_devices.umad
         self.with_issm = config.char_devices.issm
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._nics: dict[str, Nic] = {}  # present and selected, by identity (nic_identity)
         self._seen: dict[str, Nic] = {}  # every NIC selected (a vanished one stays, unhealthy, for the grace)
         self._health: dict[str, NicHealth] = {}
@@ -99,16 +96,19 @@ class ResourcePool:
         self._version = 0
         self._devices: tuple[Device, ...] = ()
         self._device_ids: frozenset[str] = frozenset()  # derived from _devices, for Allocate
-        self._shared_allocation: ContainerAllocation | None = None  # shared mode: the same for every pod
-        # exclusive mode: one answer per requested ID list, derived once per NIC change
-        self._exclusive_allocations: dict[tuple[str, ...], ContainerAllocation] = {}
+        # What Allocate hands out, by allocation_key: built once per NIC set and dropped when it
+        # changes (shared mode: one entry for every pod).
+        self._allocations: dict[tuple[str, ...], ContainerAllocation] = {}
         # Bumped whenever those cached allocations are dropped (the NICs changed): whoever caches
         # something built from them (the gRPC answers) drops it too.
         self.allocations_version = 0
         self._closed = False
-        self._listeners: list[Callable[[], None]] = []  # called (under the lock) when devices change
+        self._listeners: list[Callable[[], None]] = []  # called, outside the lock, when devices change
         short = self.name.split("/", 1)[1]
         self._shared_ids = tuple(f"{short}-{i}" for i in range(resource.shared_devices))
+        # Shared mode: the device list is all Healthy or all Unhealthy, so each is built once (a
+        # flip of a 100k pool is then a pick, not 100k new devices: bench/bench_listandwatch.py).
+        self._shared_lists: dict[str, tuple[Device, ...]] = {}
 
     # ------------------------------------------------------------------ inputs
 
@@ -123,8 +123,7 @@ class ResourcePool:
         selected = {nic_identity(n): n for n in self.selectors.select(nics)}
         with self._lock:
             if selected != self._nics:  # a re-list that finds the same NICs keeps the answers
-                self._shared_allocation = None  # names or char devices changed
-                self._exclusive_allocations.clear()
+                self._allocations.clear()  # names or char devices changed
                 self.allocations_version += 1
             self._nics = selected
             for key, nic in selected.items():
@@ -133,7 +132,7 @@ class ResourcePool:
                     LOG.info("NIC %s (%s) is now named %s", old.name, key, nic.name, extra={"resource": self.name})
                 self._seen[key] = nic
                 self._gone_since.pop(key, None)
-                self._health[key] = NicHealth(True, tuple(p.state for p in nic.ports))
+                self._health[key] = NicHealth(True, tuple(p.state for p in nic.ports), _has_uverbs(nic))
             for key in set(self._seen) - set(selected):
                 self._health[key] = NicHealth(False, ())
                 since = self._gone_since.setdefault(key, now)
@@ -148,7 +147,8 @@ class ResourcePool:
                         self.name,
                         extra={"resource": self.name},
                     )
-            return self._recompute()
+            changed = self._recompute()
+        return self._notify(changed)
 
     def set_port_states(self, states: dict[str, tuple[str, ...] | None]) -> bool:
         """Apply a health probe (RDMA device name -> port states, None when gone)."""
@@ -157,23 +157,18 @@ class ResourcePool:
             for name, ports in states.items():
                 key = by_name.get(name)
                 if key is not None:
-                    self._health[key] = NicHealth(ports is not None, ports or ())
-            return self._recompute()
+                    present = ports is not None and key in self._nics
+                    self._health[key] = NicHealth(present, ports or (), _has_uverbs(self._seen[key]))
+            changed = self._recompute()
+        return self._notify(changed)
 
     def health_changes(self, before: dict[str, NicHealth]) -> list[str]:
         """Human-readable lines for NICs whose health differs from ``before`` (a copy of health_state())."""
         out = []
         with self._lock:
             for key, health in sorted(self._health.items()):
-                was = before.get(key)
-                if was == health:
-                    continue
-                name = self._seen[key].name
-                if not health.present:
-                    what = "gone"
-                else:
-                    what = ", ".join(f"port {i} {state}" for i, state in enumerate(health.ports, 1)) or "no ports"
-                out.append(f"{name} {what}")
+                if before.get(key) != health:
+                    out.append(f"{self._seen[key].name} {health.describe()}")
             state = self._devices[0].health if self.mode == "shared" and self._devices else None
         if not out:
             return []
@@ -188,9 +183,7 @@ class ResourcePool:
         """Wake every waiting stream so it can end (shutdown only)."""
         with self._lock:
             self._closed = True
-            self._lock.notify_all()
-            for listener in self._listeners:
-                listener()
+        self._notify(True)
 
     @property
     def closed(self) -> bool:
@@ -207,40 +200,46 @@ class ResourcePool:
 
     # ------------------------------------------------------------------ state
 
-    def _nic_usable(self, name: str) -> bool:
-        nic = self._nics.get(name)
-        health = self._health.get(name)
-        return bool(
-            nic is not None and health is not None and health.healthy and nic.uverbs is not None and nic.uverbs.present
-        )
+    def _usable(self, key: str) -> bool:
+        health = self._health.get(key)
+        return key in self._nics and health is not None and health.healthy
 
     def _recompute(self) -> bool:
+        """Derive the device list (under the lock); True when it changed."""
         if self.mode == "shared":
             devices = self._shared_devices()
         else:
             devices = tuple(
-                Device(nic.pci_address, HEALTHY if self._nic_usable(name) else UNHEALTHY, nic.numa_node)
-                for name, nic in sorted(self._seen.items(), key=lambda kv: kv[1].pci_address)
+                Device(nic.pci_address, HEALTHY if self._usable(key) else UNHEALTHY, nic.numa_node)
+                for key, nic in sorted(self._seen.items(), key=lambda kv: kv[1].pci_address)
             )
         if devices == self._devices:
             return False
+        if self.mode != "shared" or not self._device_ids:  # shared IDs never change
+            self._device_ids = frozenset(d.id for d in devices)
         self._devices = devices
-        self._device_ids = frozenset(d.id for d in devices)
         self._version += 1
-        self._lock.notify_all()
-        for listener in self._listeners:
-            listener()
         return True
+
+    def _notify(self, changed: bool) -> bool:
+        """Tell the listeners, outside the lock: one may take its time (a stream encodes the snapshot)."""
+        if changed:
+            with self._lock:
+                listeners = list(self._listeners)
+            for listener in listeners:
+                listener()
+        return changed
 
     def _shared_devices(self) -> tuple[Device, ...]:
         if not self._seen:
             return ()  # nothing selected on this node: advertise nothing rather than 1k of nothing
-        usable = [self._nic_usable(name) for name in self._seen]
+        usable = [self._usable(key) for key in self._seen]
         ok = all(usable) if self.policy == "all" else any(usable)
         health = HEALTHY if ok else UNHEALTHY
-        if self._devices and self._devices[0].health == health:
-            return self._devices  # unchanged: no need to rebuild (and compare) every device at each probe
-        return tuple(Device(i, health) for i in self._shared_ids)
+        devices = self._shared_lists.get(health)
+        if devices is None:
+            devices = self._shared_lists[health] = tuple(Device(i, health) for i in self._shared_ids)
+        return devices
 
     def snapshot(self) -> tuple[int, tuple[Device, ...]]:
         with self._lock:
@@ -252,21 +251,34 @@ class ResourcePool:
             return sorted(self._nics.values(), key=lambda n: n.name)
 
     def nic_summary(self) -> list[dict[str, object]]:
+        """Every NIC the pool has seen, by name: identity, presence, ports, health and why."""
         with self._lock:
-            return [
-                {
-                    "name": nic.name,
-                    "pci_address": nic.pci_address,
-                    "present": key in self._nics,
-                    "healthy": self._nic_usable(key),
-                    "numa_node": nic.numa_node,
-                }
-                for key, nic in sorted(self._seen.items(), key=lambda kv: kv[1].name)
-            ]
+            out: list[dict[str, object]] = []
+            for key, nic in sorted(self._seen.items(), key=lambda kv: kv[1].name):
+                health = self._health.get(key, NicHealth(False, ()))
+                out.append(
+                    {
+                        "name": nic.name,
+                        "pci_address": nic.pci_address,
+                        "present": key in self._nics,
+                        "ports": list(health.ports),
+                        "healthy": self._usable(key),
+                        "why": health.why,
+                        "numa_node": nic.numa_node,
+                    }
+                )
+            return out
 
     # ------------------------------------------------------------------ Allocate
 
+    def allocation_key(self, device_ids: Sequence[str]) -> tuple[str, ...]:
+        """What an answer depends on: nothing in shared mode (every pod gets every NIC), the set of
+        IDs in exclusive mode (sorted: the kubelet sends them in map order)."""
+        return () if self.mode == "shared" else tuple(sorted(device_ids))
+
     def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
+        """What a container given ``device_ids`` receives: the same answer for the same set of IDs,
+        whatever their order (exclusive NICs are handed out by PCI address)."""
         with self._lock:
             unknown = [d for d in device_ids if d not in self._device_ids]
             if unknown:
@@ -276,25 +288,24 @@ class ResourcePool:
             if len(set(device_ids)) != len(device_ids):
                 dupes = sorted({d for d in device_ids if list(device_ids).count(d) > 1})
                 raise AllocationError(f"device ID(s) {dupes} requested more than once for resource {self.name}")
-            if self.mode == "shared":
-                if self._shared_allocation is None:
-                    self._shared_allocation = self._allocation_of(sorted(self._nics.values(), key=lambda n: n.name))
-                return self._shared_allocation
-            # Exclusive device IDs are PCI addresses, which are the NICs' identities.
-            key = tuple(device_ids)
-            cached = self._exclusive_allocations.get(key)
+            key = self.allocation_key(device_ids)
+            cached = self._allocations.get(key)
             if cached is not None:
                 return cached
-            gone = [d for d in device_ids if d not in self._nics]
-            if gone:
-                raise AllocationError(f"NIC(s) {gone} of resource {self.name} are no longer present")
-            alloc = self._allocation_of([self._nics[d] for d in device_ids])
-            if len(self._exclusive_allocations) < 4096:  # bounded: a node has a handful of NICs
-                self._exclusive_allocations[key] = alloc
+            if self.mode == "shared":
+                nics = sorted(self._nics.values(), key=lambda n: n.name)
+            else:  # exclusive device IDs are PCI addresses, which are the NICs' identities
+                gone = [d for d in key if d not in self._nics]
+                if gone:
+                    raise AllocationError(f"NIC(s) {gone} of resource {self.name} are no longer present")
+                nics = [self._nics[d] for d in key]
+            alloc = self._allocation_of(nics)
+            if len(self._allocations) < 4096:  # bounded: a node has a handful of NICs
+                self._allocations[key] = alloc
             return alloc
 
     def _allocation_of(self, nics: list[Nic]) -> ContainerAllocation:
-        nics = [n for n in nics if n.uverbs is not None and n.uverbs.present]
+        nics = [n for n in nics if _has_uverbs(n)]
         if not nics:
             raise AllocationError(f"no RDMA NIC of resource {self.name} is present on the node")
         return self._container_allocation(nics)

@@ -3,8 +3,8 @@
 :class:`StatusFileHooks` is a ``server.Hooks`` observer (wrapping any other, e.g. metrics) that
 rewrites ``--status-file`` atomically whenever what it shows changes (default
 ``<device-plugin-dir>/rdma-device-plugin/status.json``: the DaemonSet already mounts that dir
-read-write, and a kubelet restart empties it of files but keeps subdirectories, see
-kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go, server.removeContents):
+read-write, and a kubelet restart deletes the dir's files but keeps its subdirectories, see
+kubernetes pkg/kubelet/cm/devicemanager/manager.go, CleanupPluginDirectory):
 mode, each resource's capacity and allocatable (devices, healthy devices: what the kubelet
 reports), each NIC with port states, netdevs, NUMA node, health and why, and the last
 allocations. ``rdma-device-plugin status`` prints it (:func:`render`).
@@ -28,8 +28,9 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .node.sysfs import ACTIVE_STATES, Nic
-from .resources import HEALTHY, ResourcePool
+from .kubeletapi import HEALTHY, UNHEALTHY
+from .node.sysfs import Nic
+from .resources import ResourcePool
 from .server import Hooks, LiveStatus
 
 STATUS_FILE = os.path.join("rdma-device-plugin", "status.json")
@@ -45,23 +46,10 @@ def default_status_file(device_plugin_dir: str) -> str:
     return os.path.join(device_plugin_dir, STATUS_FILE)
 
 
-def nic_health(present: bool, ports: Sequence[str], uverbs: bool) -> tuple[bool, str]:
-    """(healthy, why): the same rule the pools apply (resources.NicHealth + a present uverbs node)."""
-    if not present:
-        return False, "NIC gone from sysfs"
-    bad = [f"port {i} {state}" for i, state in enumerate(ports, 1) if state not in ACTIVE_STATES]
-    if not ports:
-        return False, "no ports"
-    if bad:
-        return False, ", ".join(bad) + " (not ACTIVE)"
-    if not uverbs:
-        return False, "no uverbs character device"
-    return True, ""
-
-
 def snapshot(
     pools: Sequence[ResourcePool], states: Mapping[str, tuple[str, ...] | None], allocations: Sequence[dict[str, Any]]
 ) -> dict[str, Any]:
+    """The status document: each NIC's health and why come from its pool (the one rule, health.py)."""
     resources, nics = [], {}
     for pool in pools:
         _, devices = pool.snapshot()
@@ -71,17 +59,15 @@ def snapshot(
         for summary in pool.nic_summary():
             name = str(summary["name"])
             nic = present.get(name)
-            ports = states.get(name) or (tuple(p.state for p in nic.ports) if nic else ())
-            ok, why = nic_health(nic is not None, ports, bool(nic and nic.uverbs and nic.uverbs.present))
             nics[name] = {
                 "name": name,
                 "resource": pool.name,
                 "pci_address": summary["pci_address"],
                 "netdevs": list(nic.netdevs) if nic else [],
                 "numa_node": summary["numa_node"],
-                "ports": list(ports),
-                "healthy": ok,
-                "why": why,
+                "ports": list(states.get(name) or summary["ports"]),  # type: ignore[call-overload]
+                "healthy": summary["healthy"],
+                "why": summary["why"],
             }
     return {
         "mode": pools[0].mode if pools else None,
@@ -121,7 +107,7 @@ class StatusFileHooks(Hooks):
 
     def kubelet_restarted(self) -> None:
         self.inner.kubelet_restarted()
-        self._wake.set()  # the kubelet emptied its dir (removeContents): make sure the file is still there
+        self._wake.set()  # the kubelet cleaned its dir (CleanupPluginDirectory): make sure the file is still there
 
     def rediscovered(self) -> None:
         self.inner.rediscovered()
@@ -214,7 +200,7 @@ def render(doc: Mapping[str, Any]) -> str:
                 ",".join(n["netdevs"]) or "-",
                 "-" if n["numa_node"] is None else str(n["numa_node"]),
                 ",".join(n["ports"]) or "-",
-                "Healthy" if n["healthy"] else "Unhealthy",
+                HEALTHY if n["healthy"] else UNHEALTHY,
                 n["why"] or "-",
             )
         )
