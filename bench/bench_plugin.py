@@ -99,8 +99,9 @@ class Rig:
     def pid(self) -> int:
         return self.proc.pid
 
-    def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(f"unix://{self.socket}", options=LOCAL_POOL)
+    def channel(self, resource: str = RES) -> grpc.Channel:
+        path = self.socket if resource == RES else os.path.join(self.dp, sockets.instances(self.dp, resource)[-1].name)
+        return grpc.insecure_channel(f"unix://{path}", options=LOCAL_POOL)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -151,7 +152,7 @@ def dist_row(name: str, values: Sequence[float]) -> str:
 
 
 def measure_rpcs(
-    rig: Rig, rpcs: Sequence[tuple[str, Callable[[], Any]]], concurrency: int, total_calls: int
+    rig: Rig, rpcs: Sequence[tuple[str, Callable[[], Any]]], concurrency: int, total_calls: int, resource: str = RES
 ) -> dict[str, list[float]]:
     """``total_calls`` of each RPC from ``concurrency`` callers (one channel each), interleaved.
 
@@ -166,7 +167,7 @@ def measure_rpcs(
     barrier = threading.Barrier(concurrency)
 
     def worker() -> None:
-        with rig.channel() as ch:
+        with rig.channel(resource) as ch:
             stub = pb_grpc.DevicePluginStub(ch)
             calls = [(name, getattr(stub, name), request()) for name, request in rpcs]
             for _ in range(3):  # connect and warm up
@@ -261,6 +262,36 @@ def bench_shared_latency(out: list[str], samples: Samples, quick: bool) -> None:
             lat = measure_rpcs(rig, [("GetDevicePluginOptions", noop), ("Allocate", allocate)], concurrency, total)
             latency_rows(out, samples, "shared", concurrency, lat, "GetDevicePluginOptions")
         out.append("")
+
+
+def bench_numa_latency(out: list[str], samples: Samples, quick: bool) -> None:
+    """numaPools (issue 23): Allocate of a per-NUMA pool and of the -local pool, whose answer depends
+    on the NUMA node of the device (a lookup per ID, the answers built at the re-list)."""
+    total = 600 if quick else 3000
+    with Rig(lingjun_spec(8), {"resources": [{"numaPools": True}]}) as rig:
+        for resource, device in ((f"{RES}-numa1", "hca-numa1-0"), (f"{RES}-local", "hca-local-1-0")):
+            if not rig.sim.wait_registered(resource, timeout=60):
+                raise RuntimeError(f"{resource} did not register")
+
+            def noop() -> Any:
+                return pb.Empty()
+
+            def allocate(device: str = device) -> Any:
+                req = pb.AllocateRequest()
+                req.container_requests.add(devices_ids=[device])
+                return req
+
+            out += [
+                f"### RPC latency ({resource}, numaPools, 8 NICs on 2 NUMA nodes, ms)",
+                "",
+                "| callers | RPC | calls | p50 | p99 | p50 / no-op p50 | p99 / no-op p99 |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for concurrency in (1, 8):
+                rpcs = [("GetDevicePluginOptions", noop), ("Allocate", allocate)]
+                lat = measure_rpcs(rig, rpcs, concurrency, total, resource)
+                latency_rows(out, samples, resource, concurrency, lat, "GetDevicePluginOptions")
+            out.append("")
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -660,6 +691,7 @@ def machine() -> list[str]:
 SECTIONS = (  # (--only name, title, function)
     ("shared-latency", "RPC latency, shared mode", bench_shared_latency),
     ("latency", "RPC latency, exclusive mode", bench_latency),
+    ("numa-latency", "RPC latency, per-NUMA and -local pools", bench_numa_latency),
     ("snapshots", "snapshots", bench_snapshots),
     ("idle", "idle cost", bench_idle),
     ("memory", "memory", bench_memory),

@@ -80,7 +80,8 @@ def test_facts_of_a_lingjun_node(node: fixtures.FixtureNode) -> None:
         "feature.node.kubernetes.io/rdma-netns-mode": "shared",
         "feature.node.kubernetes.io/rdma-plugin-mode": "shared",
     }
-    assert set(labels) == {nfd.PREFIX + n for n in nfd.LABELS}
+    # the GPU labels come from affinity.nfd_facts (the serve path adds them; test_affinity_summary)
+    assert set(labels) == {nfd.PREFIX + n for n in nfd.LABELS if not n.startswith("rdma-gpu-")}
     none = parse_like_nfd(nfd.render(nfd.facts([], "exclusive", None, True)))
     assert none[nfd.PREFIX + "rdma-nics"] == "0" and none[nfd.PREFIX + "rdma-ipv6-compute-ready"] == "false"
     assert none[nfd.PREFIX + "rdma-link-layer"] == "none" and none[nfd.PREFIX + "rdma-netns-mode"] == "unknown"
@@ -104,12 +105,19 @@ def test_serve_writes_and_updates_the_feature_file(
     assert sim.wait_for(path.exists, timeout=30), plugin.output()
     labels = parse_like_nfd(path.read_text(encoding="utf-8"))
     assert labels[nfd.PREFIX + "rdma-nics"] == "4"
+    # issue 23: every NIC shares its PCIe switch with two GPUs, every GPU has a NIC under its switch
+    assert labels[nfd.PREFIX + "rdma-gpu-affine-nics"] == "4"
+    assert labels[nfd.PREFIX + "rdma-gpu-nic-affinity"] == "switch"
     # NFD reads every non-hidden file: nothing else may be left in the directory
     assert sorted(p.name for p in features_d.iterdir() if not p.name.startswith(".")) == ["rdma-device-plugin"]
     node.remove_nic("mlx5_bond_3")
     assert sim.wait_for(
         lambda: parse_like_nfd(path.read_text(encoding="utf-8")).get(nfd.PREFIX + "rdma-nics") == "3", timeout=60
     ), plugin.output()
+    labels = parse_like_nfd(path.read_text(encoding="utf-8"))
+    # the GPUs of mlx5_bond_3's switch now reach a NIC only through the CPU (mlx5_bond_2, same NUMA node)
+    assert labels[nfd.PREFIX + "rdma-gpu-affine-nics"] == "3"
+    assert labels[nfd.PREFIX + "rdma-gpu-nic-affinity"] == "numa"
 
 
 # ------------------------------------------------------------ labels only where true, never longer than the plugin

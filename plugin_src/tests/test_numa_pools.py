@@ -3,6 +3,7 @@ kubelet's message limit checked on the exact wire size (compared with protobuf's
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ from rdma_device_plugin import numa_pools
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.config import ConfigError, load_config_data
 from rdma_device_plugin.node import fixtures, sysfs
+from rdma_device_plugin.resources import RDMA_CM_PATH as RDMA_CM
+from rdma_device_plugin.resources import ResourcePool, build_pools
 
 
 def test_numa_pools_make_a_pool_per_numa_node_and_a_local_pool() -> None:
@@ -86,3 +89,66 @@ def test_a_local_pool_over_the_message_limit_is_refused_with_the_key() -> None:
 def test_config_refuses_numa_pools_that_cannot_work(data: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config_data(data)
+
+
+# ------------------------------------------------------------ the pools serving them (resources.py)
+
+
+def _pools(node: fixtures.FixtureNode, **resource: object) -> dict[str, ResourcePool]:
+    config = load_config_data({"resources": [{"numaPools": True, **resource}]})
+    pools = build_pools(config, sysfs.numa_nodes(node.sysfs))
+    nics = sysfs.read_nics(node.sysfs, node.dev)
+    for pool in pools:
+        pool.set_nics(nics)
+    return {p.name: p for p in pools}
+
+
+def test_per_numa_pools_carry_their_node_and_hand_out_its_nics(node: fixtures.FixtureNode) -> None:
+    pools = _pools(node, sharedDevices=5)
+    assert list(pools) == ["rdma/hca", "rdma/hca-numa0", "rdma/hca-numa1", "rdma/hca-local"]
+    _, whole = pools["rdma/hca"].snapshot()
+    assert {d.numa_node for d in whole} == {None} and len(whole) == 5  # unchanged: no topology
+    _, numa1 = pools["rdma/hca-numa1"].snapshot()
+    assert [(d.id, d.numa_node) for d in numa1][:2] == [("hca-numa1-0", 1), ("hca-numa1-1", 1)]
+    alloc = pools["rdma/hca-numa1"].allocate(["hca-numa1-3"])
+    assert alloc.nics == ("mlx5_bond_2", "mlx5_bond_3")
+    assert alloc.envs["NCCL_IB_HCA"] == "=mlx5_bond_2,mlx5_bond_3"
+    assert alloc.envs["UCX_NET_DEVICES"] == "mlx5_bond_2:1,mlx5_bond_3:1"
+    assert alloc.envs["NCCL_IB_GID_INDEX"] == "3"
+    assert [d.host_path for d in alloc.devices] == ["/dev/infiniband/uverbs3", "/dev/infiniband/uverbs0", RDMA_CM]
+
+
+def test_the_local_pool_hands_out_the_nics_of_its_devices_nodes(node: fixtures.FixtureNode) -> None:
+    pool = _pools(node, sharedDevices=3)["rdma/hca-local"]
+    _, devices = pool.snapshot()
+    assert [(d.id, d.numa_node) for d in devices] == [(f"hca-local-{n}-{i}", n) for n in (0, 1) for i in range(3)]
+    assert pool.allocate(["hca-local-0-2"]).nics == ("mlx5_bond_0", "mlx5_bond_1")
+    assert pool.allocate(["hca-local-1-0", "hca-local-1-2"]).nics == ("mlx5_bond_2", "mlx5_bond_3")
+    both = pool.allocate(["hca-local-1-0", "hca-local-0-0"])  # no policy: the kubelet may mix nodes
+    assert both.nics == tuple(f"mlx5_bond_{i}" for i in range(4))
+    assert pool.allocation_key(["hca-local-1-1"]) == ("1",) and pool.allocation_key(["hca-local-0-1"]) == ("0",)
+    assert pool.allocate(["hca-local-1-1"]) is pool.allocate(["hca-local-1-2"])  # built once per node
+    assert [scope for scope, _ in pool.workload_env()] == ["numa0", "numa1"]
+
+
+def test_a_port_down_turns_only_its_nodes_devices_unhealthy(node: fixtures.FixtureNode) -> None:
+    pools = _pools(node, sharedDevices=2)
+    states = {f"mlx5_bond_{i}": ("ACTIVE",) for i in range(4)} | {"mlx5_bond_2": ("DOWN",)}
+    for pool in pools.values():
+        pool.set_port_states(states)
+    health = {name: {(d.numa_node, d.health) for d in pool.snapshot()[1]} for name, pool in pools.items()}
+    assert health["rdma/hca"] == {(None, "Unhealthy")}  # policy all: one NIC down
+    assert health["rdma/hca-numa0"] == {(0, "Healthy")} and health["rdma/hca-numa1"] == {(1, "Unhealthy")}
+    assert health["rdma/hca-local"] == {(0, "Healthy"), (1, "Unhealthy")}
+
+
+def test_a_numa_node_without_nics_advertises_nothing(short_tmp: Path) -> None:
+    spec = fixtures.lingjun_node()
+    spec = replace(spec, nics=tuple(replace(n, numa_node=0) for n in spec.nics))  # every NIC on node 0
+    fx = fixtures.write_node(
+        str(short_tmp / "n"), replace(spec, gpus=(*spec.gpus[:4], replace(spec.gpus[4], numa_node=1)))
+    )
+    pools = _pools(fx, sharedDevices=2)
+    assert list(pools) == ["rdma/hca", "rdma/hca-numa0", "rdma/hca-numa1", "rdma/hca-local"]
+    assert pools["rdma/hca-numa1"].snapshot()[1] == ()
+    assert {d.numa_node for d in pools["rdma/hca-local"].snapshot()[1]} == {0}

@@ -41,11 +41,21 @@ def test_status_shows_resources_nics_health_and_allocations(  # type: ignore[no-
 ) -> None:
     plugin = start_plugin()
     assert sim.wait_registered(RES), plugin.output()
-    doc = wait_doc(dp_dir, lambda d: d["resources"] == [{"name": RES, "capacity": 1000, "allocatable": 1000}])
+    doc = wait_doc(
+        dp_dir,
+        lambda d: [(r["name"], r["capacity"], r["allocatable"]) for r in d["resources"]] == [(RES, 1000, 1000)]
+        and all(n["gpus"] for n in d["nics"]),
+    )
     assert doc["mode"] == "shared"
     assert [n["name"] for n in doc["nics"]] == [f"mlx5_bond_{i}" for i in range(4)]
     assert all(n["healthy"] and n["ports"] == ["ACTIVE"] and n["netdevs"] for n in doc["nics"])
     assert {n["numa_node"] for n in doc["nics"]} == {0, 1}
+    # issue 23: the GID NCCL uses, the GPUs by level, the env a pod gets
+    bond0 = doc["nics"][0]
+    assert bond0["gid"] == "3 (RoCE v2 2408:4005:300::11)"
+    assert bond0["gpus"]["switch"] == ["0000:18:00.0", "0000:19:00.0"] and len(bond0["gpus"]["numa"]) == 4
+    [env] = doc["resources"][0]["env"]
+    assert env["env"]["NCCL_IB_GID_INDEX"] == "3" and env["unset"] == []
 
     sim.allocate(RES, 1, pod="p1")
     node.set_port_state("mlx5_bond_2", "DOWN")
@@ -61,6 +71,8 @@ def test_status_shows_resources_nics_health_and_allocations(  # type: ignore[no-
     assert "rdma/hca: capacity 1000, allocatable 0" in text
     assert "mlx5_bond_2" in text and "Unhealthy" in text and "port 1 DOWN (not ACTIVE)" in text
     assert "last allocations:" in text and " ok " in text
+    assert "3 (RoCE v2 2408:4005:300::11)" in text and "2/2/4" in text  # NCCL GID, GPUS sw/rp/numa
+    assert "env a pod gets (rdma/hca):" in text and "  NCCL_IB_GID_INDEX=3" in text
     assert json.loads(status(dp_dir, "-o", "json").stdout)["mode"] == "shared"
 
     rc, _ = plugin.stop()

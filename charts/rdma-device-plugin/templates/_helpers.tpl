@@ -143,6 +143,19 @@ Returned as JSON (templates cannot return lists): use with fromJsonArray.
 {{- end }}
 
 {{/*
+The resources whose pools numaPools splits (shared mode): the plugin also advertises
+<name>-numa<N> (one per NUMA node of the node, unknown here) and <name>-local for each. As JSON.
+*/}}
+{{- define "rdma-device-plugin.numaPoolNames" -}}
+{{- $names := list }}
+{{- if .Values.numaPools }}{{ $names = append $names .Values.resourceName }}{{ end }}
+{{- range .Values.extraResources }}
+{{- if .numaPools }}{{ $names = append $names .name }}{{ end }}
+{{- end }}
+{{- toJson $names }}
+{{- end }}
+
+{{/*
 The plugin's config file for one mode. Call with (dict "root" $ "mode" "shared").
 Exactly the shape rdma_device_plugin.config.PluginConfig accepts (version v1, no extra keys).
 */}}
@@ -251,10 +264,16 @@ Call with (dict "root" $ "c" "c").
 {{- define "rdma-device-plugin.celRequestsRdma" -}}
 {{- $names := include "rdma-device-plugin.resourceNames" .root | fromJsonArray }}
 {{- $r := include "rdma-device-plugin.celList" $names }}
+{{- /* numaPools: <name>-numa<N> and <name>-local, by a pattern ("." written [.]: no escapes in CEL) */}}
+{{- $split := list }}
+{{- range (include "rdma-device-plugin.numaPoolNames" .root | fromJsonArray) }}{{ $split = append $split (replace "." "[.]" .) }}{{ end }}
 {{- $c := .c }}
 {{- $parts := list }}
 {{- range $field := list "limits" "requests" }}
 {{- $parts = append $parts (printf "(has(%s.resources.%s) && %s.exists(r, r in %s.resources.%s && string(%s.resources.%s[r]) != '0'))" $c $field $r $c $field $c $field) }}
+{{- if $split }}
+{{- $parts = append $parts (printf "(has(%s.resources.%s) && %s.resources.%s.exists(r, r.matches('^(%s)-(numa[0-9]+|local)$') && string(%s.resources.%s[r]) != '0'))" $c $field $c $field (join "|" $split) $c $field) }}
+{{- end }}
 {{- end }}
 {{- printf "has(%s.resources) && (%s)" $c (join " || " $parts) }}
 {{- end }}

@@ -219,7 +219,7 @@ def test_everything_case_wiring() -> None:
 
 def test_image_tag_defaults_to_app_version() -> None:
     chart_yaml = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
-    assert chart_yaml["appVersion"] == "0.1.0" and chart_yaml["version"] == "1.0.0"  # the chart has its own version
+    assert chart_yaml["appVersion"] == "0.1.0" and chart_yaml["version"] == "1.1.0"  # the chart has its own version
     for ds in daemonsets({}).values():
         assert ds["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.1.0")
 

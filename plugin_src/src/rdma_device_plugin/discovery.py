@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import cdi, events, nfd
+from . import affinity, cdi, events, nfd, numa_pools
 from .config import PluginConfig
 from .health import NicHealth
 from .node import sysfs
@@ -56,6 +56,7 @@ class Discovery:
         self._states: dict[str, tuple[str, ...] | None] | None = None  # last states applied
         self.features: nfd.FeatureFile | None = None  # --nfd-features-file (issue 15)
         self.coverage = events.LinkCoverage(frozenset(), ())  # set by every re-list
+        self.affinity = affinity.NodeAffinity({}, (), {})  # GPUs per served NIC, read at every re-list
 
     def _skipped(self, name: str, reason: str) -> None:
         """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
@@ -123,8 +124,12 @@ class Discovery:
         )
         self.hooks.rediscovered()
         self.hooks.nics_found(nics)
+        served = sorted({n.name: n for pool in self.pools for n in pool.present_nics()}.values(), key=lambda n: n.name)
+        self._say_numa_less()
+        self.affinity = affinity.read(self.sysfs_root, served)
+        self.hooks.affinity_found(self.affinity)
         if self.features is not None:
-            self.features.update([n for pool in self.pools for n in pool.present_nics()])
+            self.features.update(served, self.affinity)
         self.coverage = events.link_coverage(
             [n for pool in self.pools for n in pool.present_nics()],
             lambda netdev: sysfs.netdev_ifindex(self.sysfs_root, netdev),
@@ -144,6 +149,15 @@ class Discovery:
                 except OSError as exc:
                     LOG.error("cannot write CDI spec", extra={"path": writer.path, "error": str(exc)})
         return nics
+
+    def _say_numa_less(self) -> None:
+        """numaPools: a selected NIC without a NUMA node is in no per-NUMA pool (said once)."""
+        selected = {p.spec.configured: p.present_nics() for p in self.pools if p.spec.kind == numa_pools.WHOLE}
+        lines = numa_pools.without_numa([p.spec for p in self.pools], selected)
+        for line in lines:
+            self._log_once.problem(f"numa-less {line}", "%s", line)
+        for key in [k for k in self._log_once.pending if k.startswith("numa-less ") and k[10:] not in lines]:
+            self._log_once.cleared(key)
 
     def _open_ports(self, names: list[str]) -> None:
         if self._ports is not None:

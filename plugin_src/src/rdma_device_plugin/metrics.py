@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from . import __version__
+from . import __version__, affinity
 from .kubeletapi import HEALTHY, UNHEALTHY
 from .node.sysfs import ACTIVE_STATES, Nic
 from .resources import ResourcePool
@@ -69,18 +69,47 @@ class _StateCollector(Collector):
     def _nics(self) -> Iterator[Metric]:
         info = GaugeMetricFamily(
             "rdma_dp_nic_info",
-            'RDMA NIC facts (1): link layer, netdevs, NUMA node ("" when none) and the resource serving it',
-            labels=["nic", "pci_address", "link_layer", "netdev", "numa_node", "resource"],
+            'RDMA NIC facts (1): link layer, netdevs, NUMA node ("" when none), the resource serving it and the '
+            "GPUs (PCI addresses) sharing its PCIe switch, root port or NUMA node (cumulative)",
+            labels=[
+                "nic",
+                "pci_address",
+                "link_layer",
+                "netdev",
+                "numa_node",
+                "resource",
+                "switch_gpus",
+                "root_port_gpus",
+                "numa_gpus",
+            ],
         )
         with self.hooks.lock:
             nics = list(self.hooks.nics)
-        owners = {nic.name: pool.name for pool in self.hooks.pools for nic in pool.present_nics()}
+            gpus = dict(self.hooks.affinity.nics)
+        owners: dict[str, str] = {}
+        for pool in self.hooks.pools:  # numaPools: the NIC's first pool (the configured resource) names it
+            for nic in pool.present_nics():
+                owners.setdefault(nic.name, pool.name)
         for nic in nics:
             layers = sorted({p.link_layer for p in nic.ports if p.link_layer})
             numa = "" if nic.numa_node is None else str(nic.numa_node)
             labels = [nic.name, nic.pci_address, ",".join(layers), ",".join(sorted(nic.netdevs)), numa]
-            info.add_metric([*labels, owners.get(nic.name, "")], 1)
+            info.add_metric([*labels, owners.get(nic.name, ""), *affinity.metric_labels(gpus.get(nic.name))], 1)
         yield info
+        unset = GaugeMetricFamily(
+            "rdma_dp_env_unset",
+            "1 while a variable of the env NCCL reads (workloadEnv) is left unset for a resource's NICs, and why "
+            "(gid_index_differs, no_suitable_gid)",
+            labels=["resource", "variable", "reason"],
+        )
+        for pool in self.hooks.pools:
+            seen = set()
+            for _, env in pool.workload_env():
+                for u in env.unset:
+                    if (u.variable, u.reason) not in seen:
+                        seen.add((u.variable, u.reason))
+                        unset.add_metric([pool.name, u.variable, u.reason], 1)
+        yield unset
 
     def _live(self) -> Iterator[Metric]:
         status = self.hooks.status() if self.hooks.status is not None else None
@@ -114,6 +143,7 @@ class MetricsHooks(Hooks):
         self.pools: list[ResourcePool] = []
         self.ports: dict[str, tuple[str, ...] | None] = {}
         self.nics: list[Nic] = []
+        self.affinity = affinity.NodeAffinity({}, (), {})
         self.status: Callable[[], LiveStatus] | None = None
         self._server: Any = None
         self.info = Gauge(
@@ -170,6 +200,10 @@ class MetricsHooks(Hooks):
     def nics_found(self, nics: Sequence[Nic]) -> None:
         with self.lock:
             self.nics = list(nics)
+
+    def affinity_found(self, node: affinity.NodeAffinity) -> None:
+        with self.lock:
+            self.affinity = node
 
     def supervising(self, status: Callable[[], LiveStatus]) -> None:
         self.status = status

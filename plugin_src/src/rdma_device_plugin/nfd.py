@@ -33,7 +33,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from . import events, netchecks
+from . import affinity, events, netchecks
 from .node import sysfs
 
 LOG = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ LABELS = (
     "rdma-ipv6-compute-ready",
     "rdma-netns-mode",
     "rdma-plugin-mode",
+    "rdma-gpu-affine-nics",
+    "rdma-gpu-nic-affinity",
 )
 
 
@@ -129,11 +131,13 @@ class FeatureFile:
         self._facts: dict[str, str] | None = None
         self._written_at = 0.0
 
-    def update(self, nics: Sequence[sysfs.Nic]) -> None:
+    def update(self, nics: Sequence[sysfs.Nic], gpus: affinity.NodeAffinity | None = None) -> None:
         ipv6_ready: bool | None = None
         if sees_node_netns(nics, lambda netdev: sysfs.netdev_ifindex(self.sysfs_root, netdev)):
             ipv6_ready = not netchecks.read_and_check(nics, self.sysfs_root, self.procfs_root)
         labels = facts(nics, self.mode, sysfs.netns_mode(self.sysfs_root), ipv6_ready)
+        if gpus is not None:
+            labels.update(affinity.nfd_facts(gpus))  # GPU-NIC affinity: only on nodes with GPUs
         now = self.clock()
         if labels == self._facts and now - self._written_at < self.ttl / 3:
             return

@@ -24,16 +24,11 @@ config refuses ``numaPools`` there).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .config import (
-    MAX_MESSAGE_BYTES,
-    PluginConfig,
-    ResourceConfig,
-    local_resource_name,
-    numa_resource_name,
-)
+from .config import PluginConfig, ResourceConfig, local_resource_name, numa_resource_name
+from .kubeletapi import MAX_MESSAGE_BYTES
 from .node.sysfs import Nic
 
 WHOLE, NUMA, LOCAL = "whole", "numa", "local"
@@ -126,7 +121,7 @@ def snapshot_problems(specs: Sequence[PoolSpec]) -> list[str]:
     return out
 
 
-def without_numa(specs: Sequence[PoolSpec], selected: dict[str, Sequence[Nic]]) -> list[str]:
+def without_numa(specs: Sequence[PoolSpec], selected: Mapping[str, Sequence[Nic]]) -> list[str]:
     """Lines for NICs a configured resource selects that no per-NUMA pool can hold (no NUMA node)."""
     out = []
     for spec in specs:

@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from .affinity import NodeAffinity
 from .api import deviceplugin_pb2 as pb
 from .api import deviceplugin_pb2_grpc as pb_grpc
 from .kubeletapi import API_VERSION, HEALTHY, KUBELET_SOCKET, MAX_SOCKET_PATH
@@ -95,6 +96,9 @@ class Hooks:
     def pools_ready(self, pools: Sequence[ResourcePool]) -> None: ...
 
     def nics_found(self, nics: Sequence[Nic]) -> None: ...
+
+    def affinity_found(self, node: NodeAffinity) -> None:
+        """The GPUs of every served NIC, read at a re-list."""
 
     def stream_ended(self, resource: str) -> None:
         """The kubelet's ListAndWatch stream of ``resource`` ended while serving."""

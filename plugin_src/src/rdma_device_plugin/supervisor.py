@@ -27,10 +27,11 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from . import cdi, events, netchecks, nfd, sockets
+from . import cdi, events, netchecks, nfd, numa_pools, sockets
 from .config import ConfigError, PluginConfig, load_config, socket_path_problems
 from .discovery import Discovery
 from .kubeletapi import KUBELET_SOCKET
+from .node import sysfs
 from .registration import Registration
 from .resources import build_pools
 from .server import Hooks, LiveStatus, PluginServer, stop_all
@@ -73,14 +74,22 @@ class Supervisor:
         self.config_path = config_path
         self.health_file = health_file
         self._config_seen = self._config_mtime()
-        self.pools = build_pools(config)
+        self.pools = build_pools(config, self._numa_nodes(config, sysfs_root))
+        problems = numa_pools.snapshot_problems([p.spec for p in self.pools])
+        if problems:
+            raise ConfigError("invalid config for this node:\n" + "\n".join(f"  - {p}" for p in problems))
         self.hooks = hooks or Hooks()
         self.hooks.pools_ready(self.pools)
         self.discovery = Discovery(config, self.pools, sysfs_root, dev_root, verbs, self.hooks)
         for pool in self.pools:
             if cdi_dir and pool.cdi_kind is not None:
                 self.discovery.cdi[pool.name] = cdi.SpecWriter(
-                    cdi_dir, pool.cdi_kind, config.mode, config.char_devices.umad, config.char_devices.issm
+                    cdi_dir,
+                    pool.cdi_kind,
+                    config.mode,
+                    config.char_devices.umad,
+                    config.char_devices.issm,
+                    per_numa=pool.spec.kind == numa_pools.LOCAL,
                 )
         self.stop_event = threading.Event()
         self.once = LogOnce(LOG)
@@ -108,6 +117,20 @@ class Supervisor:
         self._coverage_said: tuple[bool, events.LinkCoverage] | None = None
         self._kubelet_sock = os.path.join(device_plugin_dir, KUBELET_SOCKET)
         self.hooks.supervising(self.live_status)
+
+    @staticmethod
+    def _numa_nodes(config: PluginConfig, sysfs_root: str) -> tuple[int, ...]:
+        """The node's NUMA nodes, read once at start for numaPools (the kubelet's own view)."""
+        if not any(r.numa_pools for r in config.resources) or config.mode != "shared":
+            return ()
+        nodes = sysfs.numa_nodes(sysfs_root)
+        if not nodes:
+            LOG.warning(
+                "numaPools: cannot read the node's NUMA nodes (%s/devices/system/node/online); serving the "
+                "configured resources only",
+                sysfs_root,
+            )
+        return nodes
 
     def live_status(self) -> LiveStatus:
         return LiveStatus(
@@ -553,7 +576,7 @@ def serve(args: argparse.Namespace) -> int:
         "starting",
         extra={
             "mode": config.mode,
-            "resources": ",".join(r.name for r in config.resources),
+            "resources": ",".join(p.name for p in supervisor.pools),
             "config": args.config or "(built-in defaults)",
             "note": "the mode is read at start; a config with another mode takes effect on restart",
         },
