@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rdma_device_plugin import numa_pools
+from rdma_device_plugin import cdi, numa_pools
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.config import ConfigError, load_config_data
 from rdma_device_plugin.node import fixtures, sysfs
@@ -152,3 +152,29 @@ def test_a_numa_node_without_nics_advertises_nothing(short_tmp: Path) -> None:
     assert list(pools) == ["rdma/hca", "rdma/hca-numa0", "rdma/hca-numa1", "rdma/hca-local"]
     assert pools["rdma/hca-numa1"].snapshot()[1] == ()
     assert {d.numa_node for d in pools["rdma/hca-local"].snapshot()[1]} == {0}
+
+
+def test_cdi_names_per_pool_and_per_node_of_the_local_pool(node: fixtures.FixtureNode) -> None:
+    config = load_config_data({"resources": [{"numaPools": True, "sharedDevices": 2}], "cdi": {"enabled": True}})
+    pools = {p.name: p for p in build_pools(config, (0, 1))}
+    nics = sysfs.read_nics(node.sysfs, node.dev)
+    for pool in pools.values():
+        pool.set_nics(nics)
+    # every pool its own kind (numaPools makes several pools of one configured resource)
+    assert pools["rdma/hca"].allocate(["hca-0"]).cdi_devices == ("rdma.lingjun.io/hca-hca=all",)
+    assert pools["rdma/hca-numa1"].allocate(["hca-numa1-0"]).cdi_devices == ("rdma.lingjun.io/hca-hca-numa1=all",)
+    local = pools["rdma/hca-local"]
+    assert local.allocate(["hca-local-1-0"]).cdi_devices == ("rdma.lingjun.io/hca-hca-local=numa1",)
+    assert local.allocate(["hca-local-0-0", "hca-local-1-1"]).cdi_devices == (
+        "rdma.lingjun.io/hca-hca-local=numa0",
+        "rdma.lingjun.io/hca-hca-local=numa1",
+    )
+    spec = cdi.build_spec("rdma.lingjun.io/hca-hca-local", "shared", nics, per_numa=True)
+    by_name = {d["name"]: [n["path"] for n in d["containerEdits"]["deviceNodes"]] for d in spec["devices"]}
+    assert by_name == {
+        "numa0": ["/dev/infiniband/uverbs1", "/dev/infiniband/uverbs2"],
+        "numa1": ["/dev/infiniband/uverbs3", "/dev/infiniband/uverbs0"],
+    }
+    assert spec["containerEdits"] == {
+        "deviceNodes": [{"path": RDMA_CM, "hostPath": RDMA_CM, "type": "c", "permissions": "rw"}]
+    }

@@ -43,8 +43,10 @@ def test_status_shows_resources_nics_health_and_allocations(  # type: ignore[no-
     assert sim.wait_registered(RES), plugin.output()
     doc = wait_doc(
         dp_dir,
-        lambda d: [(r["name"], r["capacity"], r["allocatable"]) for r in d["resources"]] == [(RES, 1000, 1000)]
-        and all(n["gpus"] for n in d["nics"]),
+        lambda d: (
+            [(r["name"], r["capacity"], r["allocatable"]) for r in d["resources"]] == [(RES, 1000, 1000)]
+            and all(n["gpus"] for n in d["nics"])
+        ),
     )
     assert doc["mode"] == "shared"
     assert [n["name"] for n in doc["nics"]] == [f"mlx5_bond_{i}" for i in range(4)]

@@ -138,6 +138,7 @@ def test_disagreeing_nics_leave_the_index_unset_and_say_so(  # type: ignore[no-u
     lines = [line for line in plugin.output().splitlines() if "NCCL_IB_GID_INDEX left unset" in line]
     assert len(lines) == 1, plugin.output()
     assert "mlx5_bond_1 port 1: 5 (RoCE v2 2408:4005:300:1::11)" in lines[0]
+
     def unset() -> list[tuple[str, str]]:
         path = Path(default_status_file(str(dp_dir)))
         doc = json.loads(path.read_text()) if path.exists() else {"resources": []}

@@ -205,7 +205,7 @@ def test_check_script_fails_per_device_without_rdma() -> None:
     env = {"PATH": "/usr/bin:/bin", "RDMA_DEVICES": "mlx5_bond_0,mlx5_bond_1", "PYTHONPATH": "/usr/lib/python3/dist-packages"}
     result = _run_check(env)
     assert result.returncode == 1, result
-    lines = result.stdout.splitlines()
+    lines = [line for line in result.stdout.splitlines() if not line.startswith("env ")]  # the env comes first
     assert [line.split()[:2] for line in lines] == [["FAIL", "mlx5_bond_0:"], ["FAIL", "mlx5_bond_1:"]], result.stdout
     result = _run_check({"PATH": "/usr/bin:/bin"})
     assert result.returncode == 1 and "RDMA_DEVICES is not set" in result.stdout + result.stderr
@@ -240,7 +240,10 @@ class _Ctx:
         return _Obj(state=state, link_layer=link)
 
     def query_gid_table(self, max_entries: int) -> list[Any]:
-        return [_Obj(port_num=p, gid_type=t, gid_str=lambda g=g: g, ndev_ifindex=i) for p, t, g, i in self.gids][:max_entries]
+        return [
+            _Obj(port_num=p, gid_index=n, gid_type=t, gid_str=lambda g=g: g, ndev_ifindex=i)
+            for n, (p, t, g, i) in enumerate(self.gids)
+        ][:max_entries]
 
 
 @pytest.mark.parametrize(
@@ -259,6 +262,43 @@ def test_check_verdicts(ctx: _Ctx, ok: bool, needle: str) -> None:
     check = _load_check()
     good, line = check.verdict("mlx5_bond_0", lambda name: ctx)
     assert good is ok and line.startswith(("OK" if ok else "FAIL") + " mlx5_bond_0: ") and needle in line, line
+
+
+LINGJUN_GIDS = [(1, 1, "fe80::1", 7), (1, 2, "fe80::1", 7), (1, 1, "2408:4000::11", 7), (1, 2, "2408:4000::11", 7)]
+
+
+@pytest.mark.parametrize(
+    "index,ok,needle",
+    [
+        (3, True, "NCCL_IB_GID_INDEX 3 = RoCE v2 GID 2408:4000::11 on "),
+        (2, False, "NCCL_IB_GID_INDEX 2 is not a routable RoCE v2 GID on a netdev (2408:4000::11)"),  # RoCE v1
+        (1, False, "NCCL_IB_GID_INDEX 1 is not a routable RoCE v2 GID on a netdev (fe80::1)"),  # link-local
+        (9, False, "NCCL_IB_GID_INDEX 9 is not a routable RoCE v2 GID on a netdev (empty)"),
+    ],
+)
+def test_check_verdicts_with_the_plugins_gid_index(index: int, ok: bool, needle: str) -> None:
+    """issue 23: with NCCL_IB_GID_INDEX set, the GID at that index is the one that must work."""
+    good, line = _load_check().verdict("mlx5_bond_0", lambda name: _Ctx([(4, 2)], LINGJUN_GIDS), index)
+    assert good is ok and needle in line, line
+
+
+def test_check_prints_the_env_the_plugin_gave_the_pod() -> None:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "RDMA_DEVICES": "mlx5_bond_0",
+        "NCCL_IB_HCA": "=mlx5_bond_0",
+        "NCCL_IB_GID_INDEX": "3",
+        "UCX_NET_DEVICES": "mlx5_bond_0:1",
+        "OTHER": "x",
+    }
+    lines = _run_check(env).stdout.splitlines()
+    assert lines[:4] == [
+        "env NCCL_IB_GID_INDEX=3",
+        "env NCCL_IB_HCA==mlx5_bond_0",
+        "env RDMA_DEVICES=mlx5_bond_0",
+        "env UCX_NET_DEVICES=mlx5_bond_0:1",
+    ]
+    assert not any("OTHER" in line for line in lines)
 
 
 # ------------------------------------------------------------------ schema
