@@ -348,7 +348,9 @@ class KubeletSimulator:
                     "ContainerName": a.container,
                     "ResourceName": a.resource,
                     "DeviceIDs": per_numa,
-                    "AllocResp": base64.b64encode(a.response.SerializeToString()).decode(),
+                    # The kubelet's gogo-generated Marshal writes map entries (envs, annotations)
+                    # sorted by key (sortkeys.Strings): deterministic, the same bytes at every write.
+                    "AllocResp": base64.b64encode(a.response.SerializeToString(deterministic=True)).decode(),
                 }
             )
         registered = {r: self._unsorted(ids) for r, ids in self.healthy.items()}
