@@ -6,9 +6,10 @@ content changes. With CDI on, Allocate answers with ``cdi_devices`` (fully-quali
 ``<kind>=<device>``) instead of device specs; envs are still returned.
 
 Naming:
-- kind: ``cdi.kind`` (default ``rdma.lingjun.io/hca``) when the config has one resource;
-  with several, each resource gets ``<cdi.kind>-<resource short name>`` so device names
-  never clash between spec files of the same kind.
+- kind: ``cdi.kind`` (default ``rdma.lingjun.io/hca``) when the plugin serves one pool;
+  with several (resources, or the pools ``numaPools`` makes), each gets
+  ``<cdi.kind>-<resource short name>`` so device names never clash between spec files of the
+  same kind.
 - file: ``<vendor>-<class>.json``, e.g. ``rdma.lingjun.io-hca.json``.
 - shared mode: one device ``all`` whose containerEdits hold every NIC's uverbs (plus
   umad/issm when configured) and ``rdma_cm``; a ``-local`` pool (numaPools) has one device per
