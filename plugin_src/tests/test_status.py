@@ -169,3 +169,15 @@ def test_port_state_hook_fires_once_the_pools_applied_the_change(node: fixtures.
     finally:
         discovery.close()
     assert seen == [{"Healthy"}, {"Unhealthy"}, {"Healthy"}]
+
+
+def test_render_shows_the_env_a_pod_gets_and_what_is_left_unset() -> None:
+    """docs/nccl.md: the resource line flags it, the env block names the variable, reason and picks."""
+    unset = {"variable": "NCCL_IB_GID_INDEX", "reason": "gid_index_differs", "detail": "mlx5_bond_1 port 1: 5 (...)"}
+    env = {"scope": "", "env": {"NCCL_IB_HCA": "=mlx5_bond_0,mlx5_bond_1"}, "unset": [unset]}
+    doc = {"mode": "shared", "resources": [{"name": RES, "capacity": 4, "allocatable": 4, "env": [env]}],
+           "nics": [], "allocations": []}  # fmt: skip
+    text = render(doc)
+    assert "rdma/hca: capacity 4, allocatable 4   <- env left unset, see below" in text
+    assert "env a pod gets (rdma/hca):\n  NCCL_IB_HCA==mlx5_bond_0,mlx5_bond_1\n" in text
+    assert "  unset NCCL_IB_GID_INDEX (gid_index_differs): mlx5_bond_1 port 1: 5 (...)" in text
