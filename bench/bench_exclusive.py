@@ -23,13 +23,13 @@ from typing import Any
 
 import grpc
 import yaml
+from rdma_device_plugin import sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures
 
 RES = "rdma/hca"
-SOCK = "rdma-dp-rdma_hca.sock"
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -86,7 +86,8 @@ def main() -> int:
                 print("plugin did not register; log:", fh.read(), file=sys.stderr)
             return 1
         ids = sorted(sim.devices(RES))
-        with grpc.insecure_channel(f"unix://{os.path.join(dp_dir, SOCK)}") as channel:
+        sock = sockets.instances(dp_dir, RES)[-1].name  # the plugin's socket: rdma-dp-rdma_hca.<instance>.0.sock
+        with grpc.insecure_channel(f"unix://{os.path.join(dp_dir, sock)}") as channel:
             stub = pb_grpc.DevicePluginStub(channel)
             alloc = pb.AllocateRequest()
             alloc.container_requests.add(devices_ids=ids[:2])

@@ -19,6 +19,8 @@ import os
 import platform
 import random
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -31,9 +33,10 @@ from typing import Any
 import grpc
 import report
 import yaml
+from rdma_device_plugin import sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.config import PluginConfig, socket_name
+from rdma_device_plugin.config import PluginConfig
 from rdma_device_plugin.kubesim import KubeletSimulator, netns
 from rdma_device_plugin.node import fixtures
 
@@ -90,14 +93,15 @@ class Rig:
         if not self.sim.wait_registered(RES, timeout=60):
             self.close()
             raise RuntimeError("plugin did not register")
-        self.socket = os.path.join(self.dp, socket_name(RES))
+        self.socket = os.path.join(self.dp, sockets.instances(self.dp, RES)[-1].name)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(f"unix://{self.socket}", options=LOCAL_POOL)
+    def channel(self, resource: str = RES) -> grpc.Channel:
+        path = self.socket if resource == RES else os.path.join(self.dp, sockets.instances(self.dp, resource)[-1].name)
+        return grpc.insecure_channel(f"unix://{path}", options=LOCAL_POOL)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -130,11 +134,7 @@ class Rig:
 # --------------------------------------------------------------------------- stats
 
 
-def pct(values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    s = sorted(values)
-    k = max(0, min(len(s) - 1, round(p / 100 * len(s) + 0.5) - 1))
-    return s[k]
+pct = report.pct
 
 
 def ms(v: float) -> str:
@@ -152,7 +152,7 @@ def dist_row(name: str, values: Sequence[float]) -> str:
 
 
 def measure_rpcs(
-    rig: Rig, rpcs: Sequence[tuple[str, Callable[[], Any]]], concurrency: int, total_calls: int
+    rig: Rig, rpcs: Sequence[tuple[str, Callable[[], Any]]], concurrency: int, total_calls: int, resource: str = RES
 ) -> dict[str, list[float]]:
     """``total_calls`` of each RPC from ``concurrency`` callers (one channel each), interleaved.
 
@@ -167,7 +167,7 @@ def measure_rpcs(
     barrier = threading.Barrier(concurrency)
 
     def worker() -> None:
-        with rig.channel() as ch:
+        with rig.channel(resource) as ch:
             stub = pb_grpc.DevicePluginStub(ch)
             calls = [(name, getattr(stub, name), request()) for name, request in rpcs]
             for _ in range(3):  # connect and warm up
@@ -262,6 +262,36 @@ def bench_shared_latency(out: list[str], samples: Samples, quick: bool) -> None:
             lat = measure_rpcs(rig, [("GetDevicePluginOptions", noop), ("Allocate", allocate)], concurrency, total)
             latency_rows(out, samples, "shared", concurrency, lat, "GetDevicePluginOptions")
         out.append("")
+
+
+def bench_numa_latency(out: list[str], samples: Samples, quick: bool) -> None:
+    """numaPools (issue 23): Allocate of a per-NUMA pool and of the -local pool, whose answer depends
+    on the NUMA node of the device (a lookup per ID, the answers built at the re-list)."""
+    total = 600 if quick else 3000
+    with Rig(lingjun_spec(8), {"resources": [{"numaPools": True}]}) as rig:
+        for resource, device in ((f"{RES}-numa1", "hca-numa1-0"), (f"{RES}-local", "hca-local-1-0")):
+            if not rig.sim.wait_registered(resource, timeout=60):
+                raise RuntimeError(f"{resource} did not register")
+
+            def noop() -> Any:
+                return pb.Empty()
+
+            def allocate(device: str = device) -> Any:
+                req = pb.AllocateRequest()
+                req.container_requests.add(devices_ids=[device])
+                return req
+
+            out += [
+                f"### RPC latency ({resource}, numaPools, 8 NICs on 2 NUMA nodes, ms)",
+                "",
+                "| callers | RPC | calls | p50 | p99 | p50 / no-op p50 | p99 / no-op p99 |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for concurrency in (1, 8):
+                rpcs = [("GetDevicePluginOptions", noop), ("Allocate", allocate)]
+                lat = measure_rpcs(rig, rpcs, concurrency, total, resource)
+                latency_rows(out, samples, resource, concurrency, lat, "GetDevicePluginOptions")
+            out.append("")
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -423,7 +453,7 @@ IMPORT_STEPS = (
     "rdma_device_plugin.config",
     "rdma_device_plugin.resources",
     "rdma_device_plugin.server",
-    "rdma_device_plugin.daemon",
+    "rdma_device_plugin.supervisor",
     "yaml",
 )
 IMPORT_PROBE = """
@@ -548,10 +578,9 @@ def bench_recovery(out: list[str], samples: Samples, quick: bool) -> None:
             first_snap: list[float] = []
             rng = random.Random(1)
             for _ in range(runs):
-                n = sum(1 for _, r in sim.registrations if r == RES)
                 sim.restart()
                 t0 = time.monotonic()  # kubelet.sock is serving again
-                if not sim.wait_registered(RES, count=n + 1, timeout=30):
+                if not sim.wait_registered(RES, timeout=30):
                     raise RuntimeError("no re-registration")
                 t_reg = max(t for t, r in sim.registrations if r == RES)
                 rereg.append(max(0.0, t_reg - t0))
@@ -594,6 +623,53 @@ def bench_recovery(out: list[str], samples: Samples, quick: bool) -> None:
     ]
 
 
+# --------------------------------------------------------------------------- shutdown with a hung kubelet
+
+
+def bench_shutdown(out: list[str], samples: Samples, quick: bool) -> None:
+    """SIGTERM while Register waits on a kubelet.sock that accepts and never answers (issue 21: it
+    took 19.6 s, past a 30 s grace with three resources). Three resources, as in that report."""
+    runs = 5 if quick else 20
+    tmp = tempfile.mkdtemp(prefix="rdps-", dir="/tmp")
+    try:
+        fx = fixtures.write_node(os.path.join(tmp, "node"), fixtures.lingjun_node(nics=4))
+        dp = os.path.join(tmp, "dp")
+        os.mkdir(dp)
+        cfg = os.path.join(tmp, "config.yaml")
+        with open(cfg, "w", encoding="utf-8") as fh:
+            yaml.safe_dump({"resources": [{"name": f"rdma/hca{i}", "sharedDevices": 10} for i in range(3)]}, fh)
+        hung = socket.socket(socket.AF_UNIX)
+        hung.bind(os.path.join(dp, "kubelet.sock"))
+        hung.listen(64)
+        hung.settimeout(60)
+        took = []
+        for _ in range(runs):
+            cmd = [sys.executable, "-m", "rdma_device_plugin", "serve", "--config", cfg, "--sysfs-root", fx.sysfs]
+            cmd += ["--dev-root", fx.dev, "--device-plugin-dir", dp, "--health-file", os.path.join(tmp, "health")]
+            with open(os.path.join(tmp, "plugin.log"), "wb") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            conns = [hung.accept()[0] for _ in range(3)]  # every resource's Register is in flight
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+            took.append(time.monotonic() - t0)
+            for conn in conns:
+                conn.close()
+        hung.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    samples.setdefault("Shutdown", {})["SIGTERM -> exit, Register hung"] = took
+    out += [
+        "### Shutdown with a kubelet that never answers (3 resources, Register in flight; ms)",
+        "",
+        "| what | runs | p50 | p90 | p99 | max |",
+        "|---|---|---|---|---|---|",
+        dist_row("SIGTERM -> exit", took),
+        "",
+    ]
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -615,17 +691,17 @@ def machine() -> list[str]:
 SECTIONS = (  # (--only name, title, function)
     ("shared-latency", "RPC latency, shared mode", bench_shared_latency),
     ("latency", "RPC latency, exclusive mode", bench_latency),
+    ("numa-latency", "RPC latency, per-NUMA and -local pools", bench_numa_latency),
     ("snapshots", "snapshots", bench_snapshots),
     ("idle", "idle cost", bench_idle),
     ("memory", "memory", bench_memory),
     ("open-streams", "Allocate with open streams", bench_open_streams),
     ("recovery", "recovery", bench_recovery),
+    ("shutdown", "shutdown with a hung kubelet", bench_shutdown),
 )
 
 
-def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min, {os.cpu_count()} cores)"
+load_average = report.load_average
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """Reading and drawing benchmark reports: the Markdown tables of RESULTS.md compared figure by
-figure with a new run (ratio new/old), and the raw latency samples drawn as a PNG (matplotlib)."""
+figure with a new run (ratio new/old), and the raw latency samples drawn as a PNG (matplotlib);
+the percentile and the load-average line every bench prints."""
 
 from __future__ import annotations
 
@@ -12,6 +13,18 @@ KEY_COLUMNS = {"callers", "RPC", "NICs", "shared devices", "what"}
 COUNT_COLUMNS = {"calls", "runs"}
 
 Tables = dict[tuple[str, tuple[str, ...]], dict[str, float]]
+
+
+def pct(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, round(p / 100 * len(s) + 0.5) - 1))
+    return s[k]
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min, {os.cpu_count()} cores)"
 
 
 def _number(cell: str) -> float | None:

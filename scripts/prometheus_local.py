@@ -44,6 +44,7 @@ class Prometheus:
         interval: str = "1s",
         port: int = 0,
         workdir: str | None = None,
+        extra_scrape_configs: list[dict[str, Any]] | None = None,
     ) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
@@ -55,7 +56,10 @@ class Prometheus:
         config = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval, "scrape_timeout": interval},
             "rule_files": [str(self.dir / "rules.json")],
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets, "labels": labels}]}],
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": targets, "labels": labels}]},
+                *(extra_scrape_configs or []),
+            ],
         }
         (self.dir / "prometheus.json").write_text(json.dumps(config), encoding="utf-8")
         self.port = port or free_port()
@@ -146,6 +150,14 @@ def chart_rule_groups(values: dict[str, Any], release: str = "rdma", namespace: 
     raise RuntimeError("the chart rendered no PrometheusRule")
 
 
+def chart_for_keys() -> list[str]:
+    """Every metrics.prometheusRule.for key of the chart's values.yaml (one per alert)."""
+    import yaml
+
+    values = yaml.safe_load((ROOT / "charts" / "rdma-device-plugin" / "values.yaml").read_text(encoding="utf-8"))
+    return list(values["metrics"]["prometheusRule"]["for"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--target", default="127.0.0.1:9410", help="the plugin's metrics address (local default)")
@@ -156,11 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", type=float, default=15.0, help="seconds to scrape before printing the alerts")
     parser.add_argument("--keep", action="store_true", help="keep Prometheus running (Ctrl-C stops it)")
     args = parser.parse_args(argv)
-    names = ("pluginDown", "resourceNotRegistered", "allocatableZero", "nicPortNotActive", "probeLoopStale")
+    # The local default has no kube-state-metrics: the alerts that read it are left out, and the fleet
+    # is the plugin targets.
     values = {
         "metrics": {
             "enabled": True,
-            "prometheusRule": {"enabled": True, "for": dict.fromkeys(names, args.for_)},
+            "prometheusRule": {
+                "enabled": True,
+                "for": dict.fromkeys(chart_for_keys(), args.for_),
+                "kubeStateMetrics": {"enabled": False},
+            },
         }
     }
     job = "rdma-rdma-device-plugin-metrics"

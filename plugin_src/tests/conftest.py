@@ -1,22 +1,34 @@
-"""Shared fixtures: fixture nodes, the kubelet simulator, and a real ``serve`` process."""
+"""Shared fixtures: fixture nodes, the kubelet (the simulator, or the kubelet's own device manager),
+and a real ``serve`` process."""
 
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import yaml
 
+from rdma_device_plugin import sockets
+from rdma_device_plugin.api import deviceplugin_pb2 as pb
+from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.kubesim import KubeletSimulator
+from rdma_device_plugin.kubesim.real import RealKubelet, find_binary
 from rdma_device_plugin.node import fixtures
+
+BACKENDS = ("sim", "real")  # the kubelet simulator, the kubelet's own device manager (kubelet-dm-serve)
 
 
 @pytest.fixture
@@ -44,6 +56,44 @@ def sim(dp_dir: Path) -> Iterator[KubeletSimulator]:
     s = KubeletSimulator(str(dp_dir)).start()
     yield s
     s.stop()
+
+
+def real_kubelet_binary() -> str:
+    """kubelet-dm-serve, or skip the test saying where it was looked for."""
+    binary, why = find_binary()
+    if binary is None:
+        pytest.skip(why)
+    return binary
+
+
+def start_kubelet(backend: str, dp_dir: Path, log: Path, **options: object) -> KubeletSimulator | RealKubelet:
+    """A kubelet on ``dp_dir``: "sim" (the simulator, ``options`` its keywords) or "real"."""
+    if backend == "sim":
+        return KubeletSimulator(str(dp_dir), **options).start()  # type: ignore[arg-type]
+    return RealKubelet(str(dp_dir), binary=real_kubelet_binary(), klog=str(log), **options).start()  # type: ignore[arg-type]
+
+
+def stop_kubelet(kubelet: KubeletSimulator | RealKubelet) -> None:
+    if isinstance(kubelet, RealKubelet):
+        kubelet.close()
+    else:
+        kubelet.stop()
+
+
+@pytest.fixture(params=BACKENDS)
+def kubelet(request: pytest.FixtureRequest, dp_dir: Path, short_tmp: Path) -> Iterator[KubeletSimulator | RealKubelet]:
+    """Both kubelets: the test runs against the simulator and against the kubelet's own device
+    manager (skipped where kubelet-dm-serve is absent). Where they disagree, the simulator is wrong."""
+    k = start_kubelet(request.param, dp_dir, short_tmp / "kubelet.log")
+    yield k
+    stop_kubelet(k)
+
+
+def plugin_socket(dp_dir: Path, resource: str = "rdma/hca") -> Path:
+    """The socket the newest plugin instance serves for ``resource`` (names: rdma_device_plugin.sockets)."""
+    found = sockets.instances(str(dp_dir), resource)
+    assert found, f"no socket of {resource} in {dp_dir}: {sorted(os.listdir(dp_dir))}"
+    return dp_dir / found[-1].name
 
 
 class PluginProcess:
@@ -94,7 +144,10 @@ def start_plugin(short_tmp: Path, node: fixtures.FixtureNode, dp_dir: Path) -> I
         if config is not None:
             cfg = short_tmp / f"config{len(procs)}.yaml"
             cfg.write_text(yaml.safe_dump(config), encoding="utf-8")
-        cmd = (prefix or []) + serve_command(fixture or node, dp_dir, cfg, "--log-level", "debug", *(extra or []))
+        extra = list(extra or [])
+        if procs and "--health-file" not in extra:  # a second instance keeps a liveness file of its own
+            extra += ["--health-file", str(short_tmp / f"health{len(procs)}.json")]
+        cmd = (prefix or []) + serve_command(fixture or node, dp_dir, cfg, "--log-level", "debug", *extra)
         log = short_tmp / f"plugin{len(procs)}.log"
         fh = open(log, "w", encoding="utf-8")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
@@ -109,3 +162,101 @@ def start_plugin(short_tmp: Path, node: fixtures.FixtureNode, dp_dir: Path) -> I
         if p.proc.poll() is None:
             p.proc.kill()
             p.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ScriptedPlugin(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
+    """A device plugin whose ListAndWatch streams send what the test puts in their queues (None
+    ends a stream): real gRPC on a real unix socket, to drive a kubelet through cases the real
+    plugin avoids. ``snapshots`` is the queue of the newest stream (of the next one, before any)."""
+
+    def __init__(self, dp_dir: Path, name: str, resource: str, preferred: bool = True, pre_start: bool = False) -> None:
+        self.dir, self.name, self.resource = dp_dir, name, resource
+        self.preferred, self.pre_start = preferred, pre_start
+        self.queues: list[queue.Queue[list[Any] | None]] = []  # one per stream, in opening order
+        self._next: queue.Queue[list[Any] | None] = queue.Queue()
+        self.preferred_requests: list[Any] = []
+        self.allocate_requests: list[Any] = []
+        self.pre_start_requests: list[Any] = []
+        self.deadlines: dict[str, list[float | None]] = {"Allocate": [], "PreStartContainer": []}  # seconds left
+        self.streams_ended = 0
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        pb_grpc.add_DevicePluginServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"unix://{dp_dir / name}")
+        self.server.start()
+
+    @property
+    def snapshots(self) -> queue.Queue[list[Any] | None]:
+        return self.queues[-1] if self.queues else self._next
+
+    def register(self, version: str = "v1beta1", resource: str | None = None) -> None:
+        with grpc.insecure_channel(f"unix://{self.dir / 'kubelet.sock'}") as ch:
+            pb_grpc.RegistrationStub(ch).Register(
+                pb.RegisterRequest(version=version, endpoint=self.name, resource_name=resource or self.resource),
+                timeout=15,
+            )
+
+    def wait_streams(self, n: int, timeout: float = 15.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while len(self.queues) < n:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
+        return pb.DevicePluginOptions(
+            get_preferred_allocation_available=self.preferred, pre_start_required=self.pre_start
+        )
+
+    def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
+        mine, self._next = self._next, queue.Queue()
+        self.queues.append(mine)
+        try:
+            while context.is_active():
+                try:
+                    devices = mine.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if devices is None:
+                    return
+                yield pb.ListAndWatchResponse(devices=devices)
+        finally:
+            self.streams_ended += 1
+
+    def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+        self.preferred_requests.append(request)
+        resp = pb.PreferredAllocationResponse()
+        for creq in request.container_requests:
+            ids = list(creq.must_include_deviceIDs)
+            ids += sorted(d for d in creq.available_deviceIDs if d not in ids)[: creq.allocation_size - len(ids)]
+            resp.container_responses.add(deviceIDs=ids)
+        return resp
+
+    def Allocate(self, request: Any, context: Any) -> Any:
+        self.allocate_requests.append(request)
+        self.deadlines["Allocate"].append(context.time_remaining())
+        resp = pb.AllocateResponse()
+        for creq in request.container_requests:
+            resp.container_responses.add(envs={"IDS": ",".join(creq.devices_ids)})
+        return resp
+
+    def PreStartContainer(self, request: Any, context: Any) -> Any:
+        self.pre_start_requests.append(request)
+        self.deadlines["PreStartContainer"].append(context.time_remaining())
+        return pb.PreStartContainerResponse()
+
+    def stop(self) -> None:
+        self.server.stop(0).wait(5)
+
+
+def device(i: str, health: str = "Healthy", numa: int | None = None) -> Any:
+    d = pb.Device(ID=i, health=health)
+    if numa is not None:
+        d.topology.nodes.add(ID=numa)
+    return d

@@ -17,7 +17,7 @@ from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.config import load_config_text
 from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.resources import ResourcePool, build_pools
-from rdma_device_plugin.server import PluginServer
+from rdma_device_plugin.server import PluginServer, SnapshotFeed
 
 SPEC0 = next(n for n in fixtures.lingjun_node(nics=4).nics if n.name == "mlx5_bond_0")  # the conftest `node`
 SERVER_LOG = "rdma_device_plugin.server"
@@ -37,7 +37,7 @@ def serve(node: fixtures.FixtureNode, dp_dir: Path) -> Iterator[Any]:
     def start(config: str) -> tuple[ResourcePool, Any, PluginServer]:
         pool = build_pools(load_config_text(config))[0]
         pool.set_nics(sysfs.read_nics(node.sysfs, node.dev))
-        server = PluginServer(pool, str(dp_dir), f"t{len(servers)}.sock")
+        server = PluginServer(pool, SnapshotFeed(pool), str(dp_dir), f"t{len(servers)}.sock")
         server.start()
         servers.append(server)
         channel = grpc.insecure_channel(f"unix://{server.path}")

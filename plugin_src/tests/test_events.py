@@ -126,7 +126,7 @@ def test_link_events_drive_the_probe_in_the_nodes_netns(
         assert per_second < 3, f"the idle supervisor loop woke {per_second:.1f} times a second"
 
         sim.restart()  # seen through inotify on the device-plugin dir: nothing polls it now
-        assert sim.wait_registered(RES, count=2, timeout=30), plugin.output()[-3000:]
+        assert sim.wait_registered(RES, timeout=30), plugin.output()[-3000:]
         assert plugin.stop()[0] == 0
 
 
@@ -134,7 +134,7 @@ def test_a_broken_notification_source_is_dropped_not_fatal(node: fixtures.Fixtur
     """A read error on a notification (netlink, inotify) must not end the supervisor loop: the
     source is dropped, polling covers for it, and the pass looks at everything once."""
     from rdma_device_plugin.config import PluginConfig
-    from rdma_device_plugin.daemon import Supervisor
+    from rdma_device_plugin.supervisor import Supervisor
 
     dp = short_tmp / "dp-broken"
     dp.mkdir()

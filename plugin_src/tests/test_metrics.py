@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import serve_command
+from conftest import plugin_socket, serve_command
 from prometheus_client.parser import text_string_to_metric_families
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
@@ -20,7 +20,6 @@ from rdma_device_plugin.metrics import parse_address
 from rdma_device_plugin.node import fixtures
 
 RES = "rdma/hca"
-SOCK = "rdma-dp-rdma_hca.sock"
 
 
 def _free_port() -> int:
@@ -49,7 +48,7 @@ def test_metrics_over_http(sim: KubeletSimulator, start_plugin, node: fixtures.F
     assert sim.wait_registered(RES), plugin.output()
     sim.allocate(RES, 1, pod="a")
     sim.allocate(RES, 1, pod="b")
-    with grpc.insecure_channel(f"unix://{dp_dir / SOCK}") as ch:
+    with grpc.insecure_channel(f"unix://{plugin_socket(dp_dir)}") as ch:
         req = pb.AllocateRequest()
         req.container_requests.add(devices_ids=["0000:ff:00.0"])
         with pytest.raises(grpc.RpcError):
@@ -57,7 +56,7 @@ def test_metrics_over_http(sim: KubeletSimulator, start_plugin, node: fixtures.F
     node.set_port_state("mlx5_bond_3", "DOWN")
     assert sim.wait_for(lambda: sim.allocatable(RES) == 3, timeout=5)
     sim.restart()
-    assert sim.wait_registered(RES, count=2, timeout=5)
+    assert sim.wait_registered(RES, timeout=5)
 
     m = _scrape(port)
     assert _get(m, "rdma_dp_devices", resource=RES, health="Healthy") == 3
@@ -113,8 +112,10 @@ def test_scrape_is_fast_enough_to_poll(sim: KubeletSimulator, start_plugin) -> N
     assert _get(m, "rdma_dp_devices", resource=RES, health="Healthy") == 1000
 
 
-def test_metrics_alerts_rely_on(sim: KubeletSimulator, start_plugin) -> None:  # type: ignore[no-untyped-def]
-    """Registered / stream open / loop timestamps / NIC facts / stream ends, as docs/operations.md lists them."""
+def test_metrics_alerts_rely_on(sim: KubeletSimulator, start_plugin, dp_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """Registered / stream open / loop timestamps / NIC facts / stream ends, as docs/operations.md
+    lists them. Only the kubelet's stream counts: five debugging clients' streams ending neither
+    count as stream ends (RdmaReregistrationStorm) nor close the kubelet's."""
     port = _free_port()
     plugin = start_plugin(extra=["--metrics-address", f"127.0.0.1:{port}"])
     assert sim.wait_registered(RES), plugin.output()
@@ -133,6 +134,15 @@ def test_metrics_alerts_rely_on(sim: KubeletSimulator, start_plugin) -> None:  #
     assert nic0["numa_node"] == "0" and len(info) == 4
     assert [dict(k)["mode"] for (name, k) in m if name == "rdma_dp_build_info"] == ["shared"]
     assert _get(m, "rdma_dp_stream_ends_total", resource=RES) == 0
+    for _ in range(5):  # a debugging client: opens a stream, reads the snapshot, goes
+        with grpc.insecure_channel(f"unix://{plugin_socket(dp_dir)}") as ch:
+            next(pb_grpc.DevicePluginStub(ch).ListAndWatch(pb.Empty(), timeout=30))
+    time.sleep(1.5)  # a re-registration would have been sent by now, even after a backoff
+    m = _scrape(port)
+    assert _get(m, "rdma_dp_stream_ends_total", resource=RES) == 0
+    assert _get(m, "rdma_dp_kubelet_stream_open", resource=RES) == 1
+    assert _get(m, "rdma_dp_registrations_total", resource=RES) == 1
+    assert sim.wait_for(lambda: plugin.output().count("a ListAndWatch stream of another client ended") == 5, 30)
     sim.end_stream(RES)
     assert sim.wait_for(lambda: scraped("rdma_dp_stream_ends_total", resource=RES) == 1, timeout=30), plugin.output()
     assert sim.wait_registered(RES, count=2, timeout=30)

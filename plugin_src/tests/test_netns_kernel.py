@@ -9,6 +9,7 @@ GIDs point at those netdevs. Needs root and iproute2 (skipped otherwise).
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -114,3 +115,75 @@ def test_ipv6_checks_read_a_real_kernel_network_stack(short_tmp: Path, netns: Ne
     # the host's own /proc does not show the namespace's addresses: the read was inside it
     with open("/proc/net/if_inet6", encoding="ascii") as fh:
         assert "2408400503000000" not in fh.read()
+
+
+HEALTH = """
+import json, subprocess, sys, time
+from rdma_device_plugin.node import dcb, healthchecks, lossless, sysfs
+root, dev = sys.argv[1], sys.argv[2]
+nics = sysfs.read_nics(root, dev)
+want = healthchecks.Expectations(counter_interval=1.5)
+
+def flap(seconds):  # the link of eth0 goes down and up again while the counters are watched
+    subprocess.run(["ip", "link", "set", "peer0", "down"], check=True)
+    subprocess.run(["ip", "link", "set", "peer0", "up"], check=True)
+    time.sleep(seconds)
+
+read = healthchecks.read(nics, root, "/proc", "/", want, real_node=True, sleep=flap)
+with dcb.Client() as client:
+    errors = {}
+    for name in ("eth0", "rdp-nosuch0"):
+        try:
+            client.ieee(name)
+        except dcb.DcbError as exc:
+            errors[name] = exc.errno
+    qos = lossless.read(root, "eth0", 3, client, "")
+print(json.dumps({
+    "checks": [c.to_dict() for c in healthchecks.check(read, want)],
+    "dcb_errno": errors,
+    "trust_source": qos.trust_source,
+    "pfc_source": qos.pfc_source,
+}))
+"""
+
+
+def test_health_checks_read_a_real_kernel_network_stack(short_tmp: Path, netns: Netns) -> None:
+    """MTU, operstate/carrier and carrier_changes of real veths (named like the fixture's NIC
+    netdevs, the fixture's class/net entries pointing at the namespace's own sysfs), a real carrier
+    flap during the counter interval, and the kernel's DCB answers for netdevs without DCB."""
+    node = fixtures.write_node(str(short_tmp / "node"), fixtures.lingjun_node(nics=2, bond=False))
+    for i, mtu in ((0, "4200"), (1, "1500")):
+        netns.ip("link", "add", f"eth{i}", "type", "veth", "peer", "name", f"peer{i}")
+        netns.ip("link", "set", f"eth{i}", "mtu", mtu)
+        netns.ip("link", "set", f"eth{i}", "up")
+    netns.ip("link", "set", "peer0", "up")  # eth1's peer stays down: no carrier
+    for i in range(2):  # ip netns exec mounts the namespace's sysfs on /sys
+        link = Path(node.sysfs, "class", "net", f"eth{i}")
+        link.unlink()
+        link.symlink_to(f"/sys/class/net/eth{i}")
+    out = subprocess.run(
+        [*netns.exec_prefix, sys.executable, "-c", HEALTH, node.sysfs, node.dev],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    seen = json.loads(out.stdout)
+    by = {(c["name"], c["nic"]): c for c in seen["checks"]}
+    failed = sorted(k for k, c in by.items() if not c["passed"])
+    assert failed == [
+        ("link_flap", "mlx5_0"),
+        ("mtu", "mlx5_1"),
+        ("mtu_consistent", "mlx5_1"),
+        ("netdev_link", "mlx5_1"),
+    ], seen
+    assert by["mtu", "mlx5_0"]["message"].endswith("RoCE active MTU 4096 (derived from eth0 MTU 4200)")
+    assert "RoCE active MTU 1024 (derived from eth1 MTU 1500)" in by["mtu", "mlx5_1"]["message"]
+    # the kernel's own words for a veth whose peer is down
+    assert by["netdev_link", "mlx5_1"]["message"].startswith("mlx5_1: eth1 is lowerlayerdown (no carrier)")
+    assert by["netdev_link", "mlx5_0"]["message"] == "mlx5_0: eth0 up with carrier"
+    flap = by["link_flap", "mlx5_0"]["message"]
+    assert "eth0 carrier_changes" in flap and flap.startswith("mlx5_0: the link went down within "), flap
+    assert by["link_flap", "mlx5_1"]["passed"]
+    assert seen["dcb_errno"] == {"eth0": errno.EOPNOTSUPP, "rdp-nosuch0": errno.ENODEV}
+    assert seen["trust_source"] == ("no qos/trust in sysfs and DCB netlink: its driver has no DCB support (EOPNOTSUPP)")
+    assert seen["pfc_source"] == "DCB netlink: its driver has no DCB support (EOPNOTSUPP)"

@@ -81,13 +81,9 @@ def test_checks_fail_with_one_finding_per_problem(
         assert finding.fix in finding.message()
 
 
-def test_default_env_and_override_order() -> None:
-    env = netchecks.default_env(["mlx5_bond_0", "mlx5_bond_10"])
-    assert env == {
-        "NCCL_IB_HCA": "=mlx5_bond_0,mlx5_bond_10",
-        "NCCL_IB_ADDR_FAMILY": "AF_INET6",
-        "NCCL_SOCKET_FAMILY": "AF_INET6",
-    }
+def test_default_env_is_the_socket_family_only() -> None:
+    """The NICs and the GID are workloadEnv's (nccl_env), for hostNetwork pods too."""
+    assert netchecks.default_env() == {"NCCL_SOCKET_FAMILY": "AF_INET6"}
 
 
 def _serve(node: fixtures.FixtureNode, dp_dir: Path, cfg: Path) -> subprocess.CompletedProcess[str]:
@@ -113,7 +109,8 @@ def test_enforced_failure_exits_3_with_one_message_per_problem_and_no_socket(
     assert "netns mode is exclusive" in problems[0] and "rdma system set netns shared" in problems[0]
     assert "mlx5_bond_2 (bond2): no global IPv6 address on bond2. Fix: " in problems[1]
     assert "Traceback" not in proc.stderr
-    assert sorted(p.name for p in dp_dir.iterdir()) == ["kubelet.sock", "kubelet_internal_checkpoint"]
+    # No plugin socket; the kubelet writes no checkpoint before a plugin sent it devices.
+    assert sorted(p.name for p in dp_dir.iterdir()) == ["kubelet.sock"]
     assert not sim.registrations
     assert not (short_tmp / "cdi").exists() or list((short_tmp / "cdi").iterdir()) == []
 
@@ -142,7 +139,9 @@ def test_passing_node_serves_and_allocate_adds_ipv6_env(sim: KubeletSimulator, s
     alloc = sim.allocate(RES, 2, pod="p")
     assert alloc.envs == {
         "NCCL_IB_HCA": "=mlx5_bond_0,mlx5_bond_1",  # exactly this allocation's devices
-        "NCCL_IB_ADDR_FAMILY": "AF_INET6",
+        "NCCL_IB_ADDR_FAMILY": "AF_INET6",  # the pod's own GID is unknown at Allocate: NCCL picks it
+        "NCCL_IB_ROCE_VERSION_NUM": "2",
+        "UCX_NET_DEVICES": "mlx5_bond_0:1,mlx5_bond_1:1",
         "NCCL_SOCKET_FAMILY": "AF_INET",  # user env overrides the default
         "EXTRA": "x",
         "GLOBAL": "1",
@@ -152,7 +151,23 @@ def test_passing_node_serves_and_allocate_adds_ipv6_env(sim: KubeletSimulator, s
     assert other.envs["NCCL_IB_HCA"] == "=mlx5_bond_2"
 
 
-def test_switch_off_adds_no_nccl_env(sim: KubeletSimulator, start_plugin) -> None:  # type: ignore[no-untyped-def]
+def test_switch_off_adds_no_non_host_network_env(sim: KubeletSimulator, start_plugin) -> None:  # type: ignore[no-untyped-def]
+    """hostNetwork pods: the GID index of the node's own address, no socket family, no nonHostNetwork.env."""
     start_plugin({"version": "v1", "nonHostNetwork": {"enabled": False, "env": {"IGNORED": "1"}}})
     assert sim.wait_registered(RES)
-    assert sim.allocate(RES, 1).envs == {"RDMA_DEVICES": "mlx5_bond_0,mlx5_bond_1,mlx5_bond_2,mlx5_bond_3"}
+    nics = "mlx5_bond_0,mlx5_bond_1,mlx5_bond_2,mlx5_bond_3"
+    assert sim.allocate(RES, 1).envs == {
+        "RDMA_DEVICES": nics,
+        "NCCL_IB_HCA": "=" + nics,
+        "NCCL_IB_GID_INDEX": "3",
+        "UCX_NET_DEVICES": "mlx5_bond_0:1,mlx5_bond_1:1,mlx5_bond_2:1,mlx5_bond_3:1",
+    }
+
+
+def test_workload_env_off_leaves_only_the_plugins_own(sim: KubeletSimulator, start_plugin) -> None:  # type: ignore[no-untyped-def]
+    start_plugin({"version": "v1", "workloadEnv": {"enabled": False}, "nonHostNetwork": {"enabled": True}})
+    assert sim.wait_registered(RES)
+    assert sim.allocate(RES, 1).envs == {
+        "RDMA_DEVICES": "mlx5_bond_0,mlx5_bond_1,mlx5_bond_2,mlx5_bond_3",
+        "NCCL_SOCKET_FAMILY": "AF_INET6",
+    }

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rdma_device_plugin.config import load_config_data
-from rdma_device_plugin.daemon import Discovery
+from rdma_device_plugin.discovery import Discovery
 from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures
 from rdma_device_plugin.node import verbs as node_verbs

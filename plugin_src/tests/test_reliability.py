@@ -1,4 +1,5 @@
-"""Fault and load tests: the real ``serve`` process against the kubelet simulator.
+"""Fault and load tests: the real ``serve`` process against both kubelets (the simulator and the
+kubelet's own device manager, the ``kubelet`` fixture) where a test needs no simulator internals.
 
 Kubelet restarts under load, port flaps, NIC hot-plug during Allocates, 200 concurrent
 Allocates with the stream open, and SIGKILL of the plugin itself. The only time bounds
@@ -22,14 +23,16 @@ from typing import Any
 
 import grpc
 import pytest
+from conftest import plugin_socket
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.kubesim import CHECKPOINT, AllocationFailed, KubeletSimulator
+from rdma_device_plugin.kubesim.real import RealKubelet, RealKubeletError
 from rdma_device_plugin.node import fixtures
 
 RES = "rdma/hca"
-SOCK = "rdma-dp-rdma_hca.sock"
+Kubelet = KubeletSimulator | RealKubelet
 STATUS_DIR = "rdma-device-plugin"  # the status file's directory (status.py), kept by kubelet restarts
 INTERVAL = 0.1  # health probe interval used by these tests
 FAST: dict[str, Any] = {"health": {"intervalSeconds": INTERVAL}, "rediscoveryIntervalSeconds": 1.0}
@@ -61,26 +64,27 @@ def paths_of(resp: Any) -> list[str]:
 
 @contextmanager
 def plugin_stub(dp_dir: Path) -> Iterator[Any]:
-    """A client of the plugin's socket; it reconnects by itself when the socket is re-created."""
-    with grpc.insecure_channel(f"unix://{dp_dir / SOCK}") as ch:
+    """A client of the plugin's socket now (a kubelet restart makes the plugin serve a new name)."""
+    with grpc.insecure_channel(f"unix://{plugin_socket(dp_dir)}") as ch:
         yield pb_grpc.DevicePluginStub(ch)
 
 
-def registrations(sim: KubeletSimulator) -> int:
-    return sum(1 for _, r in sim.registrations if r == RES)
+def dir_entries(dp_dir: Path) -> list[str]:
+    """The device-plugin dir with the plugin's one socket shown as SOCK."""
+    return sorted("SOCK" if e.startswith("rdma-dp-rdma_hca.") else e for e in os.listdir(dp_dir))
 
 
 # --------------------------------------------------------------------------- kubelet restarts
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_kubelet_restarts_50_times_at_random_moments(  # type: ignore[no-untyped-def]
-    sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode, dp_dir: Path
+    kubelet: Kubelet, start_plugin, node: fixtures.FixtureNode, dp_dir: Path
 ) -> None:
     """50 kubelet restarts while ports flap (snapshots in flight) and Allocates run: the
-    plugin re-registers every time, exactly once, and leaks no socket, fd or thread."""
+    plugin re-registers every time, exactly once per start, and leaks no socket, fd or thread."""
     plugin = start_plugin(FAST)
-    assert sim.wait_registered(RES), plugin.output()
+    assert kubelet.wait_registered(RES), plugin.output()
     pid = plugin.proc.pid
     with plugin_stub(dp_dir) as stub:  # warm the gRPC worker pool before the baseline
         for i in range(20):
@@ -103,30 +107,34 @@ def test_kubelet_restarts_50_times_at_random_moments(  # type: ignore[no-untyped
 
     def direct_allocator() -> None:  # Allocates in flight when the kubelet restarts
         rng = random.Random(2)
-        with plugin_stub(dp_dir) as stub:
-            while not stop.is_set():
-                try:
-                    if paths_of(stub.Allocate(alloc_request(f"hca-{rng.randrange(1000)}"), timeout=5)) != ALL_PATHS:
-                        errors.append("wrong device paths")
-                    stats["direct ok"] += 1
-                except grpc.RpcError as exc:  # the socket is gone until the plugin re-serves
-                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                        errors.append(f"direct {exc.code().name}: {exc.details()}")
-                    stats["direct unavailable"] += 1
-                    time.sleep(0.01)
+        while not stop.is_set():
+            try:
+                with plugin_stub(dp_dir) as stub:  # the socket of now: a restart serves a new name
+                    while not stop.is_set():
+                        ids = alloc_request(f"hca-{rng.randrange(1000)}")
+                        if paths_of(stub.Allocate(ids, timeout=5)) != ALL_PATHS:
+                            errors.append("wrong device paths")
+                        stats["direct ok"] += 1
+            except grpc.RpcError as exc:  # the socket is gone until the plugin re-serves
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    errors.append(f"direct {exc.code().name}: {exc.details()}")
+                stats["direct unavailable"] += 1
+                time.sleep(0.01)
+            except AssertionError:  # between the kubelet's cleanup and the plugin's new socket
+                time.sleep(0.01)
 
     def kubelet_allocator() -> None:  # the simulator's own Allocate, cut by its restart
         n = 0
         while not stop.is_set():
             n += 1
             try:
-                sim.allocate(RES, 1, pod=f"k{n}")
+                kubelet.allocate(RES, 1, pod=f"k{n}")
                 stats["kubelet ok"] += 1
-                sim.release(f"k{n}")
-            except AllocationFailed as exc:
+                kubelet.release(f"k{n}")
+            except (AllocationFailed, RealKubeletError) as exc:
                 msg = str(exc)
                 # refused: pool unhealthy right now, kubelet between restart and re-registration, or cut
-                expected = ("available", "unregistered", "UNAVAILABLE", "CANCELLED")
+                expected = ("healthy", "unregistered", "stopped", "not running", "endpoint", "UNAVAILABLE", "CANCELLED")
                 if not any(e in msg for e in expected):
                     errors.append(f"kubelet: {msg}")
                 stats["kubelet refused"] += 1
@@ -141,8 +149,8 @@ def test_kubelet_restarts_50_times_at_random_moments(  # type: ignore[no-untyped
     try:
         for n in range(50):
             time.sleep(rng.uniform(0, 0.12))  # a random moment relative to flaps and Allocates
-            sim.restart()
-            assert sim.wait_registered(RES, count=n + 2, timeout=10), (n, plugin.output()[-4000:])
+            kubelet.restart()
+            assert kubelet.wait_registered(RES, timeout=10), (n, plugin.output()[-4000:])
             assert plugin.proc.poll() is None
     finally:
         stop.set()
@@ -150,13 +158,13 @@ def test_kubelet_restarts_50_times_at_random_moments(  # type: ignore[no-untyped
             t.join(10)
     for name in NAMES:
         node.set_port_state(name, "ACTIVE")
-    assert sim.wait_for(lambda: sim.allocatable(RES) == 1000, timeout=5), "the 51st stream stopped delivering"
+    assert kubelet.wait_for(lambda: kubelet.allocatable(RES) == 1000, timeout=5), "the 51st stream stopped delivering"
     time.sleep(1.0)  # let the last Allocate clients and old servers wind down
-    assert registrations(sim) == 51, "one registration per kubelet start, no more, no fewer"
-    assert sim.restarts == 50 and not sim.rejections
+    assert kubelet.registration_count(RES) == 1, "one registration per kubelet start, no more, no fewer"
+    assert kubelet.restarts == 50
     assert not errors, errors[:5]
     assert stats["direct ok"] > 0 and stats["kubelet ok"] > 0, stats
-    assert sorted(os.listdir(dp_dir)) == sorted([CHECKPOINT, "kubelet.sock", SOCK, STATUS_DIR])
+    assert dir_entries(dp_dir) == sorted([CHECKPOINT, "kubelet.sock", "SOCK", STATUS_DIR])
     fds1, threads1 = fd_count(pid), thread_count(pid)
     assert fds1 <= fds0 + 3, f"fd leak: {fds0} -> {fds1} over 50 restarts"
     assert threads1 <= threads0 + 6, f"thread leak: {threads0} -> {threads1} over 50 restarts"
@@ -217,7 +225,7 @@ def test_200_port_flaps_last_snapshot_matches_final_state(  # type: ignore[no-un
     assert changes == 200
     time.sleep(5 * INTERVAL)  # several more probes: nothing newer and different may arrive
     assert last_snapshot_matches(expected()), (observed(), expected())
-    assert registrations(sim) == 1 and sim.endpoints[RES].stream_open, "the one stream carried every update"
+    assert sim.registration_count(RES) == 1 and sim.endpoints[RES].stream_open, "the one stream carried every update"
     assert "Traceback" not in plugin.output()
 
 
@@ -230,14 +238,14 @@ PROBE_RUN = 0.25
 
 @pytest.mark.timeout(60)
 def test_hot_plug_never_hands_out_a_removed_nic(  # type: ignore[no-untyped-def]
-    sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode, dp_dir: Path
+    kubelet: Kubelet, start_plugin, node: fixtures.FixtureNode, dp_dir: Path
 ) -> None:
     """NICs removed and re-added while 4 threads call Allocate: an answer to a request sent
     after removal completed + one probe interval (+ probe run time) and received before the
     re-add began never contains the removed NIC's uverbs path; no call fails; the plugin
     survives and uses the re-added NICs again."""
     plugin = start_plugin(FAST)
-    assert sim.wait_registered(RES), plugin.output()
+    assert kubelet.wait_registered(RES), plugin.output()
     records: list[tuple[float, float, list[str] | grpc.RpcError]] = []
     lock = threading.Lock()
     stop = threading.Event()
@@ -301,13 +309,13 @@ def test_hot_plug_never_hands_out_a_removed_nic(  # type: ignore[no-untyped-def]
 
 @pytest.mark.timeout(60)
 def test_200_concurrent_allocates_while_the_stream_delivers(  # type: ignore[no-untyped-def]
-    sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode, dp_dir: Path
+    kubelet: Kubelet, start_plugin, node: fixtures.FixtureNode, dp_dir: Path
 ) -> None:
     """Waves of 200 concurrent Allocates run without pause while a port goes down and up:
     every call succeeds with the right devices and both health flips reach the simulator
     over the one ListAndWatch stream while the load is on."""
     plugin = start_plugin(FAST)
-    assert sim.wait_registered(RES), plugin.output()
+    assert kubelet.wait_registered(RES), plugin.output()
     stop = threading.Event()
     in_flight = threading.Event()
     stats: Counter[str] = Counter()
@@ -332,10 +340,10 @@ def test_200_concurrent_allocates_while_the_stream_delivers(  # type: ignore[no-
     loader.start()
     assert in_flight.wait(10)
     node.set_port_state("mlx5_bond_1", "DOWN")
-    assert sim.wait_for(lambda: sim.allocatable(RES) == 0, timeout=10), "flip to Unhealthy lost under load"
+    assert kubelet.wait_for(lambda: kubelet.allocatable(RES) == 0, timeout=10), "flip to Unhealthy lost under load"
     down_seen_during_load = loader.is_alive()
     node.set_port_state("mlx5_bond_1", "ACTIVE")
-    assert sim.wait_for(lambda: sim.allocatable(RES) == 1000, timeout=10), "flip to Healthy lost under load"
+    assert kubelet.wait_for(lambda: kubelet.allocatable(RES) == 1000, timeout=10), "flip to Healthy lost under load"
     up_seen_during_load = loader.is_alive()
     stop.set()
     loader.join(60)
@@ -343,40 +351,42 @@ def test_200_concurrent_allocates_while_the_stream_delivers(  # type: ignore[no-
     assert down_seen_during_load and up_seen_during_load
     assert not bad, bad[:5]
     assert stats["ok"] == 200 * stats["waves"] and stats["waves"] >= 1, stats
-    assert registrations(sim) == 1 and sim.endpoints[RES].stream_open
+    assert kubelet.registration_count(RES) == 1 and kubelet.allocatable(RES) == 1000
     assert plugin.proc.poll() is None
 
 
 # --------------------------------------------------------------------------- SIGKILL
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", ["shared", "exclusive"])
 def test_sigkilled_plugin_comes_back_with_the_same_device_ids(  # type: ignore[no-untyped-def]
-    sim: KubeletSimulator, start_plugin, dp_dir: Path, mode: str
+    kubelet: Kubelet, start_plugin, dp_dir: Path, mode: str
 ) -> None:
-    """SIGKILL while the simulator holds allocations: the restarted plugin advertises the
-    same IDs, the held IDs are Healthy in its first snapshot, and Allocate of them succeeds
-    with the same devices as before."""
+    """SIGKILL while the kubelet holds allocations: the restarted plugin advertises the same IDs,
+    all Healthy, Allocate of the held IDs gives the same devices as before, and the dead
+    instance's socket is gone (the new one removes it when it takes over)."""
     config = {**FAST, "mode": mode}
     first = start_plugin(config)
-    assert sim.wait_registered(RES), first.output()
-    ids_before = set(sim.devices(RES))
+    assert kubelet.wait_registered(RES), first.output()
+    ids_before = set(kubelet.health(RES))
     assert len(ids_before) == (4 if mode == "exclusive" else 1000)
-    held = [sim.allocate(RES, 2 if mode == "exclusive" else 1, pod="p1"), sim.allocate(RES, 1, pod="p2")]
+    held = [kubelet.allocate(RES, 2 if mode == "exclusive" else 1, pod="p1"), kubelet.allocate(RES, 1, pod="p2")]
     rc, _ = first.stop(signal.SIGKILL)
     assert rc == -signal.SIGKILL
     # the kubelet's view of a dead plugin: stream ended, everything unhealthy
-    assert sim.wait_for(lambda: not sim.endpoints[RES].stream_open and sim.allocatable(RES) == 0, timeout=10)
+    assert kubelet.wait_allocatable(RES, 0, timeout=10)
     second = start_plugin(config)
-    assert sim.wait_registered(RES, count=2, timeout=15), second.output()
-    devices = sim.devices(RES)
-    assert set(devices) == ids_before
-    assert all(d.health == "Healthy" for d in devices.values())
-    stub = sim.endpoints[RES].stub
-    for alloc in held:
-        assert set(alloc.ids) <= set(devices)
-        assert paths_of(stub.Allocate(alloc_request(*alloc.ids), timeout=10)) == alloc.device_paths
-    assert [a.pod for a in sim.allocations] == ["p1", "p2"]
-    assert sorted(os.listdir(dp_dir)) == sorted([CHECKPOINT, "kubelet.sock", SOCK, STATUS_DIR])  # stale socket replaced
+    assert kubelet.wait_registered(RES, count=2, timeout=15), second.output()
+    health = kubelet.health(RES)
+    assert set(health) == ids_before
+    assert set(health.values()) == {"Healthy"}
+    with plugin_stub(dp_dir) as stub:
+        for alloc in held:
+            assert set(alloc.ids) <= set(health)
+            assert paths_of(stub.Allocate(alloc_request(*alloc.ids), timeout=10)) == alloc.device_paths
+    assert kubelet.wait_for(
+        lambda: dir_entries(dp_dir) == sorted([CHECKPOINT, "kubelet.sock", "SOCK", STATUS_DIR]), 10
+    ), os.listdir(dp_dir)
+    assert "removed the stale socket" in second.output()
     assert "Traceback" not in second.output()

@@ -34,7 +34,12 @@ def test_shared_allocate_hands_out_every_nic(node: fixtures.FixtureNode) -> None
     paths = [d.host_path for d in alloc.devices]
     assert paths == [f"/dev/infiniband/uverbs{i}" for i in (1, 2, 3, 0)] + ["/dev/infiniband/rdma_cm"]
     assert all(d.container_path == d.host_path and d.permissions == "rw" for d in alloc.devices)
-    assert alloc.envs == {"RDMA_DEVICES": "mlx5_bond_0,mlx5_bond_1,mlx5_bond_2,mlx5_bond_3", "NCCL_IB_GID_INDEX": "3"}
+    assert alloc.envs == {
+        "RDMA_DEVICES": "mlx5_bond_0,mlx5_bond_1,mlx5_bond_2,mlx5_bond_3",
+        "NCCL_IB_HCA": "=mlx5_bond_0,mlx5_bond_1,mlx5_bond_2,mlx5_bond_3",  # workloadEnv (docs/nccl.md)
+        "UCX_NET_DEVICES": "mlx5_bond_0:1,mlx5_bond_1:1,mlx5_bond_2:1,mlx5_bond_3:1",
+        "NCCL_IB_GID_INDEX": "3",  # the config's env wins over the computed one (here the same index)
+    }
 
 
 def test_umad_and_issm_when_configured(node: fixtures.FixtureNode) -> None:

@@ -22,7 +22,7 @@ def _modules(extra: str = "") -> set[str]:
 
 
 def test_serve_path_leaves_out_the_simulator_fixtures_pyverbs_and_metrics() -> None:
-    mods = _modules("from rdma_device_plugin import daemon")
+    mods = _modules("from rdma_device_plugin import supervisor")
     unwanted = {m for m in mods if m.split(".")[1:2] in (["kubesim"], ["sim_cli"], ["metrics"])}
     unwanted |= {m for m in mods if m in ("rdma_device_plugin.node.fixtures", "pyverbs", "prometheus_client")}
     assert not unwanted

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rdma_device_plugin.health import NicHealth
 from rdma_device_plugin.node import fixtures
-from rdma_device_plugin.status import default_status_file, nic_health, render
+from rdma_device_plugin.status import default_status_file, render
 
 RES = "rdma/hca"
 
@@ -40,11 +41,23 @@ def test_status_shows_resources_nics_health_and_allocations(  # type: ignore[no-
 ) -> None:
     plugin = start_plugin()
     assert sim.wait_registered(RES), plugin.output()
-    doc = wait_doc(dp_dir, lambda d: d["resources"] == [{"name": RES, "capacity": 1000, "allocatable": 1000}])
+    doc = wait_doc(
+        dp_dir,
+        lambda d: (
+            [(r["name"], r["capacity"], r["allocatable"]) for r in d["resources"]] == [(RES, 1000, 1000)]
+            and all(n["gpus"] for n in d["nics"])
+        ),
+    )
     assert doc["mode"] == "shared"
     assert [n["name"] for n in doc["nics"]] == [f"mlx5_bond_{i}" for i in range(4)]
     assert all(n["healthy"] and n["ports"] == ["ACTIVE"] and n["netdevs"] for n in doc["nics"])
     assert {n["numa_node"] for n in doc["nics"]} == {0, 1}
+    # issue 23: the GID NCCL uses, the GPUs by level, the env a pod gets
+    bond0 = doc["nics"][0]
+    assert bond0["gid"] == "3 (RoCE v2 2408:4005:300::11)"
+    assert bond0["gpus"]["switch"] == ["0000:18:00.0", "0000:19:00.0"] and len(bond0["gpus"]["numa"]) == 4
+    [env] = doc["resources"][0]["env"]
+    assert env["env"]["NCCL_IB_GID_INDEX"] == "3" and env["unset"] == []
 
     sim.allocate(RES, 1, pod="p1")
     node.set_port_state("mlx5_bond_2", "DOWN")
@@ -60,6 +73,8 @@ def test_status_shows_resources_nics_health_and_allocations(  # type: ignore[no-
     assert "rdma/hca: capacity 1000, allocatable 0" in text
     assert "mlx5_bond_2" in text and "Unhealthy" in text and "port 1 DOWN (not ACTIVE)" in text
     assert "last allocations:" in text and " ok " in text
+    assert "3 (RoCE v2 2408:4005:300::11)" in text and "2/2/4" in text  # NCCL GID, GPUS sw/rp/numa
+    assert "env a pod gets (rdma/hca):" in text and "  NCCL_IB_GID_INDEX=3" in text
     assert json.loads(status(dp_dir, "-o", "json").stdout)["mode"] == "shared"
 
     rc, _ = plugin.stop()
@@ -74,10 +89,12 @@ def test_status_without_a_running_plugin_says_so(tmp_path: Path) -> None:
 
 
 def test_nic_health_reasons() -> None:
-    assert nic_health(True, ("ACTIVE",), True) == (True, "")
-    assert nic_health(False, (), False) == (False, "NIC gone from sysfs")
-    assert nic_health(True, ("ACTIVE", "INIT"), True) == (False, "port 2 INIT (not ACTIVE)")
-    assert nic_health(True, ("ACTIVE",), False) == (False, "no uverbs character device")
+    """The one health rule (health.py): the pools apply it, the status file shows its reason."""
+    assert NicHealth(True, ("ACTIVE",), True).healthy and NicHealth(True, ("ACTIVE",), True).why == ""
+    assert NicHealth(False, (), False).why == "NIC gone from sysfs"
+    assert NicHealth(True, ("ACTIVE", "INIT"), True).why == "port 2 INIT (not ACTIVE)"
+    assert NicHealth(True, ("ACTIVE",), False).why == "no uverbs character device"
+    assert NicHealth(True, (), True).why == "no ports" and not NicHealth(True, (), True).healthy
 
 
 def test_render_puts_the_result_first() -> None:
@@ -88,14 +105,14 @@ def test_render_puts_the_result_first() -> None:
 
 
 def test_status_file_survives_a_kubelet_restart(sim, start_plugin, dp_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    """A restarting kubelet deletes every file of the device-plugin dir but the checkpoint
-    (kubelet_sim.restart mirrors server.removeContents); the status file lives in a subdirectory."""
+    """A restarting 1.32 kubelet deletes every file of the device-plugin dir but the checkpoint
+    (manager.go CleanupPluginDirectory, as the simulator's start does); the status file lives in a
+    subdirectory."""
     start_plugin()
     assert sim.wait_registered(RES)
     wait_doc(dp_dir, lambda d: bool(d["resources"]))
-    registrations = sum(1 for _, r in sim.registrations if r == RES)
     sim.restart()
-    assert sim.wait_registered(RES, count=registrations + 1, timeout=30)
+    assert sim.wait_registered(RES, timeout=30)
     assert status(dp_dir).returncode == 0
 
 
@@ -131,7 +148,7 @@ def test_port_state_hook_fires_once_the_pools_applied_the_change(node: fixtures.
     """The status-file writer sleeps until a hook fires and then re-reads the pools (no periodic
     rewrite): a hook fired before the pools apply a change would leave a stale allocatable there."""
     from rdma_device_plugin.config import PluginConfig
-    from rdma_device_plugin.daemon import Discovery
+    from rdma_device_plugin.discovery import Discovery
     from rdma_device_plugin.resources import build_pools
     from rdma_device_plugin.server import Hooks
 
@@ -152,3 +169,15 @@ def test_port_state_hook_fires_once_the_pools_applied_the_change(node: fixtures.
     finally:
         discovery.close()
     assert seen == [{"Healthy"}, {"Unhealthy"}, {"Healthy"}]
+
+
+def test_render_shows_the_env_a_pod_gets_and_what_is_left_unset() -> None:
+    """docs/nccl.md: the resource line flags it, the env block names the variable, reason and picks."""
+    unset = {"variable": "NCCL_IB_GID_INDEX", "reason": "gid_index_differs", "detail": "mlx5_bond_1 port 1: 5 (...)"}
+    env = {"scope": "", "env": {"NCCL_IB_HCA": "=mlx5_bond_0,mlx5_bond_1"}, "unset": [unset]}
+    doc = {"mode": "shared", "resources": [{"name": RES, "capacity": 4, "allocatable": 4, "env": [env]}],
+           "nics": [], "allocations": []}  # fmt: skip
+    text = render(doc)
+    assert "rdma/hca: capacity 4, allocatable 4   <- env left unset, see below" in text
+    assert "env a pod gets (rdma/hca):\n  NCCL_IB_HCA==mlx5_bond_0,mlx5_bond_1\n" in text
+    assert "  unset NCCL_IB_GID_INDEX (gid_index_differs): mlx5_bond_1 port 1: 5 (...)" in text

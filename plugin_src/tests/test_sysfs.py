@@ -6,6 +6,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+import pytest
+
 from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.node.selectors import Selectors
 
@@ -13,7 +15,10 @@ from rdma_device_plugin.node.selectors import Selectors
 def test_class_entries_are_symlinks_into_devices(node: fixtures.FixtureNode) -> None:
     link = Path(node.sysfs, "class", "infiniband", "mlx5_bond_0")
     assert link.is_symlink()
-    assert "/devices/pci0000:00/" in os.path.realpath(link)
+    # host bridge -> root port -> switch upstream port -> downstream port -> the NIC's PF0
+    assert "/devices/pci0000:15/0000:15:01.0/0000:16:00.0/0000:17:02.0/0000:1a:00.0/infiniband/" in os.path.realpath(
+        link
+    )
     assert Path(link, "device").is_symlink()
 
 
@@ -92,9 +97,9 @@ def test_remove_and_port_states(node: fixtures.FixtureNode) -> None:
 
 
 def test_modules_and_netns(node: fixtures.FixtureNode, short_tmp: Path) -> None:
-    assert sysfs.loaded_modules(node.sysfs, ["mlx5_core", "nvidia_peermem"]) == {
+    assert sysfs.loaded_modules(node.sysfs, ["mlx5_core", "rdma_rxe"]) == {
         "mlx5_core": True,
-        "nvidia_peermem": False,
+        "rdma_rxe": False,
     }
     assert sysfs.module_version(node.sysfs, "mlx5_core") == "24.10-1.1.4"
     assert sysfs.netns_mode(node.sysfs) == "shared"
@@ -140,3 +145,22 @@ def test_empty_dev_root_reads_char_device_presence_from_sysfs(node: fixtures.Fix
 def test_empty_dev_root_without_rdma_ucm(tmp_path: Path) -> None:
     node = fixtures.write_node(str(tmp_path / "n"), dataclasses.replace(fixtures.lingjun_node(), rdma_cm=False))
     assert not sysfs.rdma_cm("", node.sysfs).present and not sysfs.rdma_cm(node.dev).present
+
+
+@pytest.mark.parametrize(("text", "nodes"), [("0", (0,)), ("0-1", (0, 1)), ("0,2-3", (0, 2, 3)), ("1-1\n", (1,))])
+def test_numa_node_list_is_read_in_the_kernel_list_form(text: str, nodes: tuple[int, ...]) -> None:
+    assert sysfs.parse_node_list(text) == nodes
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "-1", "0-1024"])
+def test_bad_numa_node_lists_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        sysfs.parse_node_list(text)
+
+
+def test_numa_nodes_of_a_fixture_node_and_of_a_tree_without_them(node: fixtures.FixtureNode, tmp_path: Path) -> None:
+    assert sysfs.numa_nodes(node.sysfs) == (0, 1)
+    assert sysfs.numa_nodes(str(tmp_path)) == ()
+    online = Path(node.sysfs, "devices", "system", "node", "online")
+    online.write_text("garbage\n")
+    assert sysfs.numa_nodes(node.sysfs) == ()

@@ -241,6 +241,19 @@ def _stop_all(state):
     return stopped
 
 
+
+# Prints the plugin's socket-path (or config) problems for (config, device-plugin dir); exits 1 if any.
+_SOCKET_CHECK = """
+import sys
+from rdma_device_plugin.config import ConfigError, load_config, socket_path_problems
+try:
+    problems = socket_path_problems(load_config(sys.argv[1]), sys.argv[2])
+except ConfigError as exc:
+    problems = [str(exc)]
+print("; ".join(problems))
+sys.exit(1 if problems else 0)
+"""
+
 def main():
     module = AnsibleModule(
         argument_spec=dict(
@@ -283,10 +296,13 @@ def main():
         module.exit_json(changed=bool(alive), pids=pids, restarted=[], stopped=alive)
 
     python = p["python"] or sys.executable
-    if len(p["device_plugin_dir"]) + len("/rdma-dp-rdma_hca.sock") + 20 > 107:
-        module.fail_json(msg=f"device_plugin_dir {p['device_plugin_dir']} is too long for unix socket paths (< 108 bytes)")
     if not os.path.isfile(p["config_path"]):
         module.fail_json(msg=f"plugin config {p['config_path']} does not exist")
+    # The plugin's own rule (config.socket_path_problems: every pool's longest socket name), asked
+    # before anything starts, so a long device_plugin_dir is named here and not in a log.
+    rc, out, err = module.run_command([python, "-c", _SOCKET_CHECK, p["config_path"], p["device_plugin_dir"]])
+    if rc != 0:
+        module.fail_json(msg=f"device_plugin_dir {p['device_plugin_dir']}: {(out or err).strip()}", rc=rc)
     resources = p["resources"]
     if not resources:
         with open(p["config_path"], encoding="utf-8") as fh:

@@ -1,17 +1,22 @@
 #!/usr/bin/python
-"""Ansible module: read a node's RDMA NICs and IPv6 compute network (read-only)."""
+"""Ansible module: read a node's RDMA NICs, IPv6 compute network and node health (read-only)."""
 
 from __future__ import annotations
 
 DOCUMENTATION = r"""
 ---
 module: rdma_node_info
-short_description: Read a node's RDMA NICs, kernel modules and IPv6 compute network
+short_description: Read a node's RDMA NICs, kernel modules, IPv6 compute network and node health
 description:
   - Reads sysfs, procfs and /dev through the project's one reader
     (C(rdma_device_plugin.node), shipped to the node as the C(rdma_node) module_utils
     package), applies the device plugin's NIC selectors and returns plain data.
-  - Never changes the node. Supports check mode and always reports C(changed=false).
+  - The node-health checks (C(rdma_device_plugin.node.healthchecks), listed with their sources,
+    thresholds and fixes in C(docs/validation-checks.md)) read PCIe links, MTU, bonds and LACP,
+    lossless RoCE, port counters, the NCCL GID index, GPU-NIC topology, GPUDirect RDMA and the
+    container runtime's memlock limit in the same run. Reading needs no root.
+  - Never changes the node. Supports check mode and always reports C(changed=false). Only
+    I(perftest) loads the NICs (a bounded ib_write_bw loopback, off by default).
   - The roots are parameters so tests can point them at kernel-shaped fixture trees.
 version_added: "0.1.0"
 author: rdma-device-plugin maintainers
@@ -91,9 +96,98 @@ options:
     type: bool
     default: false
   details:
-    description: Return the full NIC data (C(nics) as dicts, C(ipv6) per netdev); false returns NIC names only.
+    description: >-
+      Return the full NIC data (C(nics) as dicts, C(ipv6) per netdev, C(health) with everything the
+      health read saw); false returns NIC names only.
     type: bool
     default: false
+  health:
+    description: Run the node-health checks (returned under C(checks.rdma_node_health)).
+    type: bool
+    default: true
+  health_record:
+    description: >-
+      With I(record_host), also record the health checks and summary in the C(rdma_validation) fact
+      (false leaves them in the module result only).
+    type: bool
+    default: false
+  host_root:
+    description: >-
+      The node's root file system, for the container runtime's systemd unit files
+      (C(etc/systemd), C(usr/lib/systemd)); default the directory that holds I(procfs_root)
+      (C(/) for C(/proc)).
+    type: path
+  skip_checks:
+    description: Names of health checks to leave out (C(pcie_link), C(mtu), C(memlock), ...).
+    type: list
+    elements: str
+    default: []
+  fail_not_checked:
+    description: A health check whose source the node does not show fails instead of being reported as not checked.
+    type: bool
+    default: false
+  mtu:
+    description: Netdev MTU every RoCE netdev must have; null = any MTU that gives the RoCE active MTU I(roce_mtu).
+    type: int
+  roce_mtu:
+    description: RoCE active MTU every port must have (the kernel derives it from the netdev MTU less 96 bytes).
+    type: int
+    default: 4096
+    choices: [256, 512, 1024, 2048, 4096]
+  bond_mode:
+    description: Mode every RDMA bond must have; null = reported, not checked.
+    type: str
+    choices: [balance-rr, active-backup, balance-xor, broadcast, 802.3ad, balance-tlb, balance-alb]
+  roce_trust:
+    description: QoS trust mode of every RoCE netdev.
+    type: str
+    default: dscp
+    choices: [dscp, pcp]
+  pfc_priority:
+    description: The lossless priority; PFC and RoCE ECN must be on for it.
+    type: int
+    default: 3
+  counter_max:
+    description: >-
+      Port counter name (C(counters/) or C(hw_counters/)) -> the most it may show; an empty dict
+      leaves the C(port_counters) check not checked.
+    type: dict
+    default: {excessive_buffer_overrun_errors: 0, local_link_integrity_errors: 0}
+  counter_interval:
+    description: >-
+      Seconds between two reads of C(link_downed) and C(carrier_changes) within this run (the
+      C(link_flap) check); 0 = one read, C(link_flap) not checked. The rest of the read happens
+      in between, so the run takes at least this long.
+    type: float
+    default: 0
+  nccl_addr_family:
+    description: NCCL_IB_ADDR_FAMILY the reported GID index is computed for (NCCL's default is AF_INET).
+    type: str
+    default: AF_INET
+    choices: [AF_INET, AF_INET6]
+  topology_expected:
+    description: RDMA device name -> PCI addresses of the GPUs that must share its PCIe switch; null = not checked.
+    type: dict
+  gpudirect_required:
+    description: The node must offer GPUDirect RDMA (nvidia_peermem, or DMA-BUF); false = reported only.
+    type: bool
+    default: false
+  perftest:
+    description: Run a bounded ib_write_bw loopback per active port where perftest is installed (loads the NICs).
+    type: bool
+    default: false
+  perftest_min_percent:
+    description: Loopback bandwidth the I(perftest) check needs, in percent of the port rate.
+    type: float
+    default: 92.5
+  perftest_seconds:
+    description: Duration of each loopback (ib_write_bw -D), 1 to 60.
+    type: int
+    default: 5
+  perftest_command:
+    description: The ib_write_bw executable (name looked up in PATH, or a path).
+    type: str
+    default: ib_write_bw
 """
 
 EXAMPLES = r"""
@@ -123,11 +217,22 @@ node:
         Finished check results by role, C(rdma_nic_validate) (from
         C(rdma_device_plugin.node.nicchecks)) and C(ipv6_compute_validate) (from
         C(rdma_device_plugin.node.ipv6checks)); each C({name, nic, passed, message}), the message
-        without the node's name. A missing sysfs, procfs or dev root is one failed C(node_roots)
-        check and nothing else is read.
+        without the node's name. C(rdma_node_health) (from C(rdma_device_plugin.node.healthchecks),
+        empty with I(health) false) rows are C({name, nic, netdev, gpu, passed, skipped, message,
+        role}): C(skipped) true means not checked (the message says why; C(passed) is true so that
+        it fails no node, unless I(fail_not_checked)); an unexpected error of the health read is one
+        failed C(health_read) row and leaves the other roles' checks as they are. A missing sysfs,
+        procfs or dev root is one failed C(node_roots) check and nothing else is read.
       type: dict
     summary:
-      description: Per role, the summary row of the fleet report (NIC count, link layers, firmware, IPv6, ...).
+      description: >-
+        Per role, the summary row of the fleet report (NIC count, link layers, firmware, IPv6, ...).
+        C(rdma_node_health): C(health) (passed/failed), C(not_checked) (check names),
+        C(gpus) (count), C(gid_index) (NIC -> NCCL's GID index of port 1), C(mtu) (NIC -> netdev
+        MTU of its RoCE netdev), C(bonds) (NIC -> bond mode), C(pcie_degraded) (NICs and GPU
+        addresses), C(topology) (NIC -> C(switch)/C(root_port)/C(numa) -> GPU addresses, each list
+        holding the closer ones too), C(gpudirect) (C(peermem), C(dma-buf) or C(none)) and
+        C(memlock) (the running runtime's limit, null when none runs).
       type: dict
     verbs:
       description: >-
@@ -172,11 +277,19 @@ node:
         The IPv6 compute-network checks of the selected NICs, computed by the plugin's own
         C(rdma_device_plugin.node.ipv6checks) (the one implementation; the plugin runs the same
         at start): every applicable check with C(name) (C(netns_mode), C(ipv6_compute_netdevs),
-        C(ipv6_enabled), C(ipv6_global_address), C(ipv6_route), C(roce_v2_gid)), C(nic) and
-        C(netdev) (null for node-wide checks), C(passed), C(problem) and C(fix) (empty when
-        passed) and C(message) (C(<nic> (<netdev>): ...), with C(. Fix: ...) when failed).
+        C(ipv6_enabled), C(ipv6_global_address), C(ipv6_route), C(roce_v2_gid)), C(nic),
+        C(netdev) and C(gpu) (null when none), C(passed), C(skipped) (false), C(problem) and C(fix)
+        (empty when passed) and C(message) (C(<nic> (<netdev>): ...), with C(. Fix: ...) when failed).
       type: list
       elements: dict
+    health:
+      description: >-
+        With C(details) and I(health): everything the health read saw, C(interval) (seconds
+        between the counter reads), C(dcb) (C(used) or why DCB netlink was not), C(perftest) (null
+        or why it did not run), C(nics) per RDMA device (C(pci) functions with their links,
+        C(netdevs), C(bond), C(qos) per netdev, C(counters), C(gid_index), C(perftest)),
+        C(gpus), C(gpudirect) and C(runtimes).
+      type: dict
 """
 
 import os
@@ -185,6 +298,8 @@ from typing import Any
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_node import (
+    checks,
+    healthchecks,
     ipv6checks,
     nicchecks,
     selectors,
@@ -203,7 +318,27 @@ NIC_OPTIONS = (
     "fw_consistent",
 )
 IPV6_OPTIONS = ("ipv6_netns_mode", "ipv6_roce_v2_gid")
+HEALTH_OPTIONS = (
+    "health",
+    "skip_checks",
+    "fail_not_checked",
+    "mtu",
+    "roce_mtu",
+    "bond_mode",
+    "roce_trust",
+    "pfc_priority",
+    "counter_max",
+    "counter_interval",
+    "nccl_addr_family",
+    "topology_expected",
+    "gpudirect_required",
+    "perftest",
+    "perftest_min_percent",
+    "perftest_seconds",
+    "perftest_command",
+)
 SELECTOR_KEYS = ("vendors", "deviceIDs", "drivers", "ifNames", "rdmaDevices", "linkTypes")
+HEALTH = "rdma_node_health"
 
 
 def _verbs(sysfs_root: str, dev_root: str, names: list[str]) -> verbs.VerbsRead:
@@ -263,9 +398,50 @@ def _gid_indexes(nics: list[sysfs.Nic]) -> dict[str, int]:
     return out
 
 
-def _rows(checks: list[ipv6checks.Check], role: str) -> list[dict[str, Any]]:
+def _rows(found: list[checks.Check], role: str) -> list[dict[str, Any]]:
     """The fact rows of the roles: {name, nic, passed, message, role}."""
-    return [{"name": c.name, "nic": c.nic or None, "passed": c.passed, "message": c.message(), "role": role} for c in checks]
+    return [{"name": c.name, "nic": c.nic or None, "passed": c.passed, "message": c.message(), "role": role} for c in found]
+
+
+def _health_rows(found: list[checks.Check]) -> list[dict[str, Any]]:
+    """The health rows: {name, nic, netdev, gpu, passed, skipped, message, role}."""
+    rows = _rows(found, HEALTH)
+    for row, c in zip(rows, found, strict=True):
+        row.update(netdev=c.netdev or None, gpu=c.gpu or None, skipped=c.skipped)
+    return rows
+
+
+def _health_expectations(p: dict[str, Any]) -> healthchecks.Expectations:
+    """The health options as Expectations; raises ValueError naming the option and the fix."""
+    counter_max = {}
+    for name, value in (p["counter_max"] or {}).items():
+        try:
+            counter_max[str(name)] = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"counter_max.{name} must be a count, not {value!r}") from None
+    expected = p["topology_expected"]
+    if expected is not None:
+        for nic, gpus in expected.items():
+            if not isinstance(gpus, list) or not all(isinstance(g, str) for g in gpus):
+                raise ValueError(f"topology_expected.{nic} must be a list of GPU PCI addresses, not {gpus!r}")
+    return healthchecks.Expectations(
+        mtu=p["mtu"],
+        roce_mtu=p["roce_mtu"],
+        bond_mode=p["bond_mode"],
+        roce_trust=p["roce_trust"],
+        pfc_priority=p["pfc_priority"],
+        counter_max=counter_max,
+        counter_interval=p["counter_interval"],
+        nccl_addr_family=p["nccl_addr_family"],
+        topology_expected=expected,
+        gpudirect_required=p["gpudirect_required"],
+        perftest=p["perftest"],
+        perftest_min_percent=p["perftest_min_percent"],
+        perftest_seconds=p["perftest_seconds"],
+        perftest_command=p["perftest_command"],
+        skip=frozenset(p["skip_checks"] or ()),
+        fail_not_checked=p["fail_not_checked"],
+    )
 
 
 def main() -> None:
@@ -296,12 +472,31 @@ def main() -> None:
             "details": {"type": "bool", "default": False},
             "record_host": {"type": "str"},
             "ipv6_record": {"type": "bool", "default": False},
+            "health": {"type": "bool", "default": True},
+            "health_record": {"type": "bool", "default": False},
+            "host_root": {"type": "path"},
+            "skip_checks": {"type": "list", "elements": "str", "default": []},
+            "fail_not_checked": {"type": "bool", "default": False},
+            "mtu": {"type": "int"},
+            "roce_mtu": {"type": "int", "default": 4096, "choices": [256, 512, 1024, 2048, 4096]},
+            "bond_mode": {"type": "str", "choices": list(healthchecks.BOND_MODES)},
+            "roce_trust": {"type": "str", "default": "dscp", "choices": ["dscp", "pcp"]},
+            "pfc_priority": {"type": "int", "default": 3},
+            "counter_max": {"type": "dict", "default": dict(healthchecks.DEFAULT_COUNTER_MAX)},
+            "counter_interval": {"type": "float", "default": 0.0},
+            "nccl_addr_family": {"type": "str", "default": "AF_INET", "choices": ["AF_INET", "AF_INET6"]},
+            "topology_expected": {"type": "dict"},
+            "gpudirect_required": {"type": "bool", "default": False},
+            "perftest": {"type": "bool", "default": False},
+            "perftest_min_percent": {"type": "float", "default": 92.5},
+            "perftest_seconds": {"type": "int", "default": 5},
+            "perftest_command": {"type": "str", "default": "ib_write_bw"},
         },
         supports_check_mode=True,
     )
     p = module.params
     chosen_keys = {k: v for k, v in (p["selectors"] or {}).items() if v is not None}
-    options = {k: p[k] for k in NIC_OPTIONS + IPV6_OPTIONS}
+    options = {k: p[k] for k in NIC_OPTIONS + IPV6_OPTIONS + HEALTH_OPTIONS}
     options["selectors"] = chosen_keys
     try:
         chosen = selectors.Selectors.from_mapping(chosen_keys)
@@ -315,6 +510,7 @@ def main() -> None:
             min_fw_version=p["min_fw_version"],
             fw_consistent=p["fw_consistent"],
         )
+        health_want = _health_expectations(p)
     except (TypeError, ValueError) as exc:
         module.fail_json(msg=f"invalid options: {exc}")
     selection = nicchecks.selection_text(chosen_keys)
@@ -331,8 +527,12 @@ def main() -> None:
                 "dev_root": p["dev_root"],
                 "options": options,
                 "nics": [],
-                "checks": {"rdma_nic_validate": _rows(failed, "rdma_nic_validate"), "ipv6_compute_validate": []},
-                "summary": {"rdma_nic_validate": {"nic_count": None}, "ipv6_compute_validate": {"ipv6": "not read"}},
+                "checks": {"rdma_nic_validate": _rows(failed, "rdma_nic_validate"), "ipv6_compute_validate": [], HEALTH: []},
+                "summary": {
+                    "rdma_nic_validate": {"nic_count": None},
+                    "ipv6_compute_validate": {"ipv6": "not read"},
+                    HEALTH: {"health": "not read"},
+                },
             },
         )
 
@@ -368,6 +568,26 @@ def main() -> None:
         for netdev in nic.compute_netdevs:
             compute.setdefault(netdev, []).append(nic)
 
+    health_read = None
+    health: list[checks.Check] = []
+    if p["health"]:
+        real = os.path.realpath(p["sysfs_root"]) == "/sys" and os.path.realpath(p["procfs_root"]) == "/proc"
+        host_root = p["host_root"] or os.path.dirname(os.path.abspath(p["procfs_root"]))
+        try:
+            health_read = healthchecks.read(
+                selected, p["sysfs_root"], p["procfs_root"], host_root, health_want, real, active_mtu=seen.active_mtu
+            )
+            health = healthchecks.check(health_read, health_want)
+        except Exception as exc:  # a reader bug must not cost the node its NIC and IPv6 checks
+            health_read = None
+            health = [
+                checks.Check(
+                    "health_read", "", "", False,
+                    f"the node-health read failed ({type(exc).__name__}: {exc})",
+                    "report it with this message; set health: false to validate without the node-health checks",
+                )
+            ]  # fmt: skip
+
     node: dict[str, Any] = {
         "sysfs_root": p["sysfs_root"],
         "procfs_root": p["procfs_root"],
@@ -386,6 +606,7 @@ def main() -> None:
         "checks": {
             "rdma_nic_validate": _rows(nic_checks, "rdma_nic_validate"),
             "ipv6_compute_validate": _rows(ipv6, "ipv6_compute_validate"),
+            HEALTH: _health_rows(health),
         },
         "summary": {
             "rdma_nic_validate": {
@@ -402,10 +623,15 @@ def main() -> None:
                 "ipv6_addresses": [a.address for netdev in compute for a in netdevs[netdev].addresses],
                 "netns_mode": netns_mode,
             },
+            HEALTH: healthchecks.summary(health_read, health)
+            if health_read is not None
+            else {"health": "failed" if health else "not checked"},
         },
     }
     if p["details"]:
         node["ipv6"] = {netdev: _ipv6(netdev, netdevs[netdev], owners) for netdev, owners in compute.items()}
+        if health_read is not None:
+            node["health"] = healthchecks.details(health_read)
     _exit(module, node)
 
 
@@ -414,16 +640,19 @@ def _exit(module: AnsibleModule, node: dict[str, Any]) -> None:
     host = module.params["record_host"]
     if not host:
         module.exit_json(changed=False, node=node)
-    checks, summary = node["checks"], node["summary"]
-    ipv6 = module.params["ipv6_record"]
+    rows, summary = node["checks"], node["summary"]
+    ipv6, health = module.params["ipv6_record"], module.params["health_record"]
     fact = {
         "node": host,
         "validated": True,
         "errors": {},
-        "checks": checks["rdma_nic_validate"] + (checks["ipv6_compute_validate"] if ipv6 else []),
+        "checks": rows["rdma_nic_validate"]
+        + (rows["ipv6_compute_validate"] if ipv6 else [])
+        + (rows[HEALTH] if health else []),
         "summary": {
             **summary["rdma_nic_validate"],
             **(summary["ipv6_compute_validate"] if ipv6 else {"ipv6": "not checked (hostNetwork)"}),
+            **(summary[HEALTH] if health else {}),
         },
     }
     # The fact is the result: the node's read is not returned again (controller memory at fleet scale).

@@ -1,8 +1,10 @@
 """helm test: prove RDMA works in this pod, one verdict line per device in RDMA_DEVICES.
 
-Opens every device the plugin handed out through libibverbs (pyverbs, in the plugin image), needs a
-port in ACTIVE state and, for RoCE (Ethernet link layer), a routable RoCE v2 GID bound to a netdev:
-what NCCL/perftest need to connect. Exit 0 only when every device passes.
+First prints the env the plugin gave the pod for NCCL and UCX (``env NAME=value``, docs/nccl.md).
+Then opens every device the plugin handed out through libibverbs (pyverbs, in the plugin image),
+needs a port in ACTIVE state and, for RoCE (Ethernet link layer), a routable RoCE v2 GID bound to a
+netdev: what NCCL/perftest need to connect; with NCCL_IB_GID_INDEX set, the GID at that index must be
+that GID. Exit 0 only when every device passes.
 """
 
 import ipaddress
@@ -30,8 +32,17 @@ def _netdev(ifindex):
         return "ifindex %d" % ifindex
 
 
-def verdict(name, open_context):
-    """(ok, "OK|FAIL <device>: <why>") for one device; open_context(name) gives a pyverbs Context."""
+ENV_SHOWN = ("RDMA_DEVICES", "NCCL_IB_", "NCCL_SOCKET_FAMILY", "UCX_NET_DEVICES")
+
+
+def _usable(entry, port):
+    return (int(entry.port_num) == port and int(entry.gid_type) == GID_ROCE_V2
+            and int(entry.ndev_ifindex) > 0 and _routable(str(entry.gid_str())))
+
+
+def verdict(name, open_context, gid_index=None):
+    """(ok, "OK|FAIL <device>: <why>") for one device; open_context(name) gives a pyverbs Context;
+    gid_index: NCCL_IB_GID_INDEX, the GID NCCL will use on a RoCE port."""
     try:
         ctx = open_context(name)
         ports = range(1, int(ctx.query_device().phys_port_cnt) + 1)
@@ -42,19 +53,30 @@ def verdict(name, open_context):
         port, attr = active[0]
         if int(attr.link_layer) != LINK_ETHERNET:
             return True, "OK %s: port %d ACTIVE, InfiniBand" % (name, port)
-        for entry in ctx.query_gid_table(1024):
-            gid = str(entry.gid_str())
-            if (int(entry.port_num) == port and int(entry.gid_type) == GID_ROCE_V2
-                    and int(entry.ndev_ifindex) > 0 and _routable(gid)):
+        table = ctx.query_gid_table(1024)
+        if gid_index is not None:
+            entry = next((e for e in table if int(e.port_num) == port and int(e.gid_index) == gid_index), None)
+            if entry is None or not _usable(entry, port):
+                shown = "empty" if entry is None else str(entry.gid_str())
+                return False, "FAIL %s: port %d: NCCL_IB_GID_INDEX %d is not a routable RoCE v2 GID on a netdev (%s)" % (
+                    name, port, gid_index, shown)
+            return True, "OK %s: port %d ACTIVE, NCCL_IB_GID_INDEX %d = RoCE v2 GID %s on %s" % (
+                name, port, gid_index, entry.gid_str(), _netdev(int(entry.ndev_ifindex)))
+        for entry in table:
+            if _usable(entry, port):
                 return True, "OK %s: port %d ACTIVE, RoCE v2 GID %s on %s" % (
-                    name, port, gid, _netdev(int(entry.ndev_ifindex)))
+                    name, port, entry.gid_str(), _netdev(int(entry.ndev_ifindex)))
         return False, "FAIL %s: port %d ACTIVE but no routable RoCE v2 GID on a netdev (check the compute network's IP)" % (name, port)
     except Exception as exc:  # pyverbs raises PyverbsRDMAError when the device cannot be opened
         return False, "FAIL %s: cannot open it through libibverbs (%s: %s)" % (name, type(exc).__name__, exc)
 
 
 def main():
+    for key in sorted(k for k in os.environ if k.startswith(ENV_SHOWN)):
+        print("env %s=%s" % (key, os.environ[key]))
     devices = [d for d in os.environ.get("RDMA_DEVICES", "").split(",") if d]
+    index = os.environ.get("NCCL_IB_GID_INDEX", "")
+    gid_index = int(index) if index.lstrip("-").isdigit() and int(index) >= 0 else None
     if not devices:
         print("FAIL: RDMA_DEVICES is not set: the plugin did not allocate this pod a device")
         return 1
@@ -63,7 +85,7 @@ def main():
     except ImportError as exc:
         print("FAIL: pyverbs does not import (%s)" % exc)
         return 1
-    results = [verdict(name, lambda n: Context(name=n)) for name in devices]
+    results = [verdict(name, lambda n: Context(name=n), gid_index) for name in devices]
     for _, line in results:
         print(line)
     return 0 if all(ok for ok, _ in results) else 1

@@ -44,6 +44,13 @@ rename) or `helm upgrade` could not patch the DaemonSets.
 {{- define "rdma-device-plugin.modeKey" -}}rdma.lingjun.io/mode{{- end }}
 
 {{/*
+Node label the fleet playbooks set on a node they validated (true) or found failing (false), with the
+annotation rdma.lingjun.io/validated-at (RFC 3339). validation.required makes the DaemonSets require
+it; the alerts read it through kube-state-metrics.
+*/}}
+{{- define "rdma-device-plugin.validatedKey" -}}rdma.lingjun.io/validated{{- end }}
+
+{{/*
 Labels the chart owns: podLabels and commonLabels may not set them (schema + _validate.tpl).
 */}}
 {{- define "rdma-device-plugin.reservedLabels" -}}
@@ -82,12 +89,23 @@ app.kubernetes.io/part-of: rdma-device-plugin
 {{- end }}
 
 {{/*
-The image reference: [registry/]repository(@digest|:tag). image.registry wins over
-global.imageRegistry (bitnami convention); with neither, repository may hold the registry itself.
+The image reference: [registry/]repository(@digest|:tag), as bitnami's common.images.image builds it:
+global.imageRegistry overrides image.registry, and the repository holds no host. A repository that
+starts with a registry host (its first component has a "." or ":" or is "localhost", Docker's rule) is
+taken whole: image.registry does not apply to it, and with global.imageRegistry set _validate.tpl
+fails rather than render "<mirror>/<host>/<path>".
 */}}
+{{- define "rdma-device-plugin.repositoryHasHost" -}}
+{{- $first := regexFind "^[^/]+/" .Values.image.repository | trimSuffix "/" }}
+{{- if and $first (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) }}true{{ end }}
+{{- end }}
+
 {{- define "rdma-device-plugin.image" -}}
-{{- $registry := .Values.image.registry | default ((.Values.global | default dict).imageRegistry) | default "" }}
-{{- $repository := ternary (printf "%s/%s" $registry .Values.image.repository) .Values.image.repository (ne $registry "") }}
+{{- $registry := ((.Values.global | default dict).imageRegistry) | default .Values.image.registry | default "" }}
+{{- $repository := .Values.image.repository }}
+{{- if and $registry (not (include "rdma-device-plugin.repositoryHasHost" .)) }}
+{{- $repository = printf "%s/%s" $registry .Values.image.repository }}
+{{- end }}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" $repository .Values.image.digest }}
 {{- else }}
@@ -125,15 +143,32 @@ Returned as JSON (templates cannot return lists): use with fromJsonArray.
 {{- end }}
 
 {{/*
+The resources whose pools numaPools splits (shared mode): the plugin also advertises
+<name>-numa<N> (one per NUMA node of the node, unknown here) and <name>-local for each. As JSON.
+*/}}
+{{- define "rdma-device-plugin.numaPoolNames" -}}
+{{- $names := list }}
+{{- if .Values.numaPools }}{{ $names = append $names .Values.resourceName }}{{ end }}
+{{- range .Values.extraResources }}
+{{- if .numaPools }}{{ $names = append $names .name }}{{ end }}
+{{- end }}
+{{- toJson $names }}
+{{- end }}
+
+{{/*
 The plugin's config file for one mode. Call with (dict "root" $ "mode" "shared").
 Exactly the shape rdma_device_plugin.config.PluginConfig accepts (version v1, no extra keys).
 */}}
 {{- define "rdma-device-plugin.config" -}}
 {{- $v := .root.Values }}
+{{- /* numaPools is a shared-mode split: the exclusive config leaves it out (its devices carry each NIC's NUMA node) */}}
+{{- $shared := eq .mode "shared" }}
 {{- $resources := list (dict "name" $v.resourceName "sharedDevices" (int $v.sharedDevices) "selectors" $v.selectors) }}
+{{- if and $shared $v.numaPools }}{{ $_ := set (first $resources) "numaPools" true }}{{ end }}
 {{- range $v.extraResources }}
 {{- $r := dict "name" .name "sharedDevices" (int (ternary .sharedDevices 1000 (hasKey . "sharedDevices"))) }}
 {{- with .selectors }}{{ $_ := set $r "selectors" . }}{{ end }}
+{{- if and $shared .numaPools }}{{ $_ := set $r "numaPools" true }}{{ end }}
 {{- $resources = append $resources $r }}
 {{- end }}
 {{- $cfg := dict
@@ -145,6 +180,7 @@ Exactly the shape rdma_device_plugin.config.PluginConfig accepts (version v1, no
       "charDevices" $v.charDevices
       "env" $v.env
       "nonHostNetwork" $v.nonHostNetwork
+      "workloadEnv" $v.workloadEnv
       "cdi" (dict "enabled" $v.cdi.enabled "kind" $v.cdi.kind) }}
 {{- toYaml $cfg }}
 {{- end }}
@@ -167,11 +203,15 @@ holds any other value gets neither DaemonSet (see NOTES).
 {{- if eq .mode $v.mode }}
 {{- $variants = list (dict "key" $key "operator" "DoesNotExist") (dict "key" $key "operator" "In" "values" (list .mode)) }}
 {{- end }}
+{{- $validated := list }}
+{{- if ($v.validation | default dict).required }}
+{{- $validated = list (dict "key" (include "rdma-device-plugin.validatedKey" .root) "operator" "In" "values" (list "true")) }}
+{{- end }}
 {{- $newTerms := list }}
 {{- range $term := $terms }}
 {{- range $expr := $variants }}
 {{- $t := deepCopy $term }}
-{{- $_ := set $t "matchExpressions" (append (get $t "matchExpressions" | default list) $expr) }}
+{{- $_ := set $t "matchExpressions" (concat (get $t "matchExpressions" | default list) (list $expr) $validated) }}
 {{- $newTerms = append $newTerms $t }}
 {{- end }}
 {{- end }}
@@ -206,18 +246,63 @@ next to privileged.
 {{- end }}
 
 {{/*
-CEL over the containers and initContainers of a pod spec expression (e.g. "object.spec" or
-"object.spec.template.spec") that request any of the plugin's resources, in limits or requests.
-Call with (dict "root" $ "spec" "object.spec" "op" "exists"): op "exists" gives a bool (does the
-pod request RDMA?), op "filter" the list of those containers.
-Kept to has()/exists()/filter()/in so that both Kubernetes CEL and cel-python (the chart tests)
-evaluate it.
+CEL building blocks of the admission policies. Kept to has()/exists()/all()/filter()/map()/matches()/
+size()/string()/in, so that both Kubernetes CEL and cel-python (the chart tests) evaluate them.
+
+celContainers: the containers and initContainers of the pod spec expression .spec.
 */}}
-{{- define "rdma-device-plugin.celRdmaContainers" -}}
-{{- $s := .spec }}
+{{- define "rdma-device-plugin.celContainers" -}}
+{{- printf "(has(%s.initContainers) ? %s.containers + %s.initContainers : %s.containers)" .spec .spec .spec .spec }}
+{{- end }}
+
+{{/*
+celRequestsRdma: does container .c request one of the plugin's resources, in limits or requests, with a
+quantity other than 0? `rdma/hca: 0` is no request (charts render a switched-off toggle as 0): the API
+server hands admission the canonical quantity, "0". string() also reads the ints of a hand-made object.
+Call with (dict "root" $ "c" "c").
+*/}}
+{{- define "rdma-device-plugin.celRequestsRdma" -}}
 {{- $names := include "rdma-device-plugin.resourceNames" .root | fromJsonArray }}
 {{- $r := include "rdma-device-plugin.celList" $names }}
-{{- printf "(has(%s.initContainers) ? %s.containers + %s.initContainers : %s.containers).%s(c, has(c.resources) && ((has(c.resources.limits) && %s.exists(r, r in c.resources.limits)) || (has(c.resources.requests) && %s.exists(r, r in c.resources.requests))))" $s $s $s $s .op $r $r }}
+{{- /* numaPools: <name>-numa<N> and <name>-local, by a pattern ("." written [.]: no escapes in CEL) */}}
+{{- $split := list }}
+{{- range (include "rdma-device-plugin.numaPoolNames" .root | fromJsonArray) }}{{ $split = append $split (replace "." "[.]" .) }}{{ end }}
+{{- $c := .c }}
+{{- $parts := list }}
+{{- range $field := list "limits" "requests" }}
+{{- $parts = append $parts (printf "(has(%s.resources.%s) && %s.exists(r, r in %s.resources.%s && string(%s.resources.%s[r]) != '0'))" $c $field $r $c $field $c $field) }}
+{{- if $split }}
+{{- $parts = append $parts (printf "(has(%s.resources.%s) && %s.resources.%s.exists(r, r.matches('^(%s)-(numa[0-9]+|local)$') && string(%s.resources.%s[r]) != '0'))" $c $field $c $field (join "|" $split) $c $field) }}
+{{- end }}
+{{- end }}
+{{- printf "has(%s.resources) && (%s)" $c (join " || " $parts) }}
+{{- end }}
+
+{{/*
+celHasIpcLock: does container .c run with CAP_IPC_LOCK? Exactly as containerd's CRI applies the
+securityContext (internal/cri/opts WithCapabilities): a privileged container gets every capability and
+its capabilities field is not applied; otherwise ALL in add (any case) grants all, ALL in drop then
+removes all, then every named add is applied as "CAP_" + upper(name), then every named drop. So
+add [ALL] + drop [ALL], add [ALL] + drop [IPC_LOCK] and add [IPC_LOCK] + drop [ipc_lock] leave no
+IPC_LOCK, while drop [ALL] + add [IPC_LOCK] keeps it.
+*/}}
+{{- define "rdma-device-plugin.celHasIpcLock" -}}
+{{- $sc := printf "%s.securityContext" .c }}
+{{- $caps := printf "%s.capabilities" $sc }}
+{{- $adds := printf "(has(%s.add) ? %s.add : [])" $caps $caps }}
+{{- $drops := printf "(has(%s.drop) ? %s.drop : [])" $caps $caps }}
+{{- printf "has(%s) && ((has(%s.privileged) && %s.privileged == true) || (has(%s) && !%s.exists(d, d.matches('^(?i)ipc_lock$')) && (%s.exists(a, a.matches('^(?i)ipc_lock$')) || (%s.exists(a, a.matches('^(?i)all$')) && !%s.exists(d, d.matches('^(?i)all$'))))))" $sc $sc $sc $caps $drops $adds $adds $drops }}
+{{- end }}
+
+{{/*
+celNonRoot: is container .c of pod spec .spec known to run as a user other than root? The container's
+runAsUser wins over the pod's; without either, runAsNonRoot (container over pod) means the kubelet
+only starts it as non-root. Unknown (the image's USER) counts as root: no warning.
+*/}}
+{{- define "rdma-device-plugin.celNonRoot" -}}
+{{- $c := printf "%s.securityContext" .c }}
+{{- $p := printf "%s.securityContext" .spec }}
+{{- printf "((has(%s) && has(%s.runAsUser)) ? %s.runAsUser != 0 : (has(%s) && has(%s.runAsUser)) ? %s.runAsUser != 0 : (has(%s) && has(%s.runAsNonRoot)) ? %s.runAsNonRoot == true : (has(%s) && has(%s.runAsNonRoot) && %s.runAsNonRoot == true))" $c $c $c $p $p $p $c $c $c $p $p $p }}
 {{- end }}
 
 {{/* A CEL list literal of strings: ['a', 'b']. */}}
@@ -225,4 +310,34 @@ evaluate it.
 {{- $quoted := list }}
 {{- range . }}{{ $quoted = append $quoted (printf "'%s'" .) }}{{ end }}
 {{- printf "[%s]" (join ", " $quoted) }}
+{{- end }}
+
+{{/*
+PromQL label matchers that select the plugin's series (alerts and dashboard): metrics.jobSelector, or
+the job prometheus-operator gives the targets of the chart's ServiceMonitor (the Service name).
+*/}}
+{{- define "rdma-device-plugin.promSelector" -}}
+{{- .Values.metrics.jobSelector | default (printf "job=\"%s-metrics\"" (include "rdma-device-plugin.fullname" .)) }}
+{{- end }}
+
+{{/* kube-state-metrics matchers followed by a comma, or nothing. */}}
+{{- define "rdma-device-plugin.promKsmSelector" -}}
+{{- with .Values.metrics.prometheusRule.kubeStateMetrics.selector }}{{ . }},{{ end }}
+{{- end }}
+
+{{/*
+The nodes that should run the plugin, one series per node (label node), from kube-state-metrics'
+kube_node_labels: any of kubeStateMetrics.rdmaNodeLabels; with validation.required only those the
+fleet playbooks validated (the DaemonSets run nowhere else).
+*/}}
+{{- define "rdma-device-plugin.promRdmaNodes" -}}
+{{- $ksm := include "rdma-device-plugin.promKsmSelector" . }}
+{{- $any := list }}
+{{- range .Values.metrics.prometheusRule.kubeStateMetrics.rdmaNodeLabels }}{{ $any = append $any (printf "kube_node_labels{%s%s}" $ksm .) }}{{ end }}
+{{- $expr := printf "group by (node) (%s)" (join " or " $any) }}
+{{- if .Values.validation.required }}
+{{- $key := regexReplaceAll "[^a-zA-Z0-9_]" (include "rdma-device-plugin.validatedKey" .) "_" }}
+{{- $expr = printf "(%s and on(node) kube_node_labels{%slabel_%s=\"true\"})" $expr $ksm $key }}
+{{- end }}
+{{- $expr }}
 {{- end }}

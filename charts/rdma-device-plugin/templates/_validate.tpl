@@ -103,6 +103,26 @@ check fails.
 {{- $errors = append $errors "securityContext.runAsNonRoot=true cannot work: the plugin must run as root to create its socket in the kubelet's root-owned device-plugins directory; remove it" }}
 {{- end }}
 
+{{- /* image: bitnami's global.imageRegistry cannot apply to a repository that names its own host */}}
+{{- if and ((.Values.global | default dict).imageRegistry) (include "rdma-device-plugin.repositoryHasHost" .) }}
+{{- $errors = append $errors (printf "global.imageRegistry=%s cannot apply: image.repository=%s starts with a registry host, which would render %s/%s; set image.repository to the path alone (e.g. rdma/rdma-device-plugin) and the host in image.registry (bitnami convention)" .Values.global.imageRegistry $v.image.repository .Values.global.imageRegistry $v.image.repository) }}
+{{- end }}
+
+{{- /* rolling update: Kubernetes rejects a DaemonSet whose maxUnavailable and maxSurge are both 0 */}}
+{{- $ru := ($v.updateStrategy | default dict).rollingUpdate | default dict }}
+{{- if and (eq ($v.updateStrategy | default dict).type "RollingUpdate") (hasKey $ru "maxUnavailable") (has (toString $ru.maxUnavailable) (list "0" "0%")) (has (toString ($ru.maxSurge | default 0)) (list "0" "0%")) }}
+{{- $errors = append $errors "updateStrategy.rollingUpdate.maxUnavailable is 0 and maxSurge is 0: the rollout could never start (Kubernetes rejects it); use a count or a percentage such as 10%" }}
+{{- end }}
+
+{{- /* CDI: Allocate then answers with CDI names only; the runtime must apply them or pods get no devices */}}
+{{- if $v.cdi.enabled }}
+{{- if semverCompare "<1.28.0-0" .Capabilities.KubeVersion.Version }}
+{{- $errors = append $errors (printf "cdi.enabled=true needs Kubernetes >= 1.28 (the kubelet passes a device plugin's CDI devices to the runtime from 1.28, feature gate DevicePluginCDIDevices, on by default from 1.29); this cluster is %s: set cdi.enabled=false" .Capabilities.KubeVersion.Version) }}
+{{- else if not $v.cdi.runtimeEnabled }}
+{{- $errors = append $errors "cdi.enabled=true makes the plugin answer Allocate with CDI device names only, so pods get no RDMA devices unless every node's runtime applies CDI: containerd 1.7 needs enable_cdi = true (and cdi_spec_dirs with cdi.hostDir) in its CRI plugin config (containerd 2.0 and CRI-O have it on), and the kubelet needs the feature gate DevicePluginCDIDevices (on by default from 1.29). Set cdi.runtimeEnabled=true once they are, or cdi.enabled=false" }}
+{{- end }}
+{{- end }}
+
 {{- /* paths */}}
 {{- range $key, $path := dict "kubeletDir" $v.kubeletDir "cdi.hostDir" $v.cdi.hostDir }}
 {{- if not (hasPrefix "/" (toString $path)) }}

@@ -30,7 +30,7 @@ CASES: dict[str, dict[str, Any]] = {
     "policy-off": {"admissionPolicy": {"enabled": False}},
     "policy-warn-audit": {"admissionPolicy": {"validationActions": ["Warn", "Audit"], "failurePolicy": "Ignore"}},
     "metrics": {"metrics": {"enabled": True, "port": 9500, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
-    "cdi": {"cdi": {"enabled": True, "kind": "example.com/rdma", "hostDir": "/etc/cdi"}},
+    "cdi": {"cdi": {"enabled": True, "runtimeEnabled": True, "kind": "example.com/rdma", "hostDir": "/etc/cdi"}},
     "k3s": {"kubeletDir": "/var/lib/rancher/k3s/agent/kubelet/"},
     "microk8s": {"kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet"},
     "extra-resources": {
@@ -50,7 +50,7 @@ CASES: dict[str, dict[str, Any]] = {
         "mode": "exclusive",
         "nonHostNetwork": {"enabled": True},
         "metrics": {"enabled": True},
-        "cdi": {"enabled": True},
+        "cdi": {"enabled": True, "runtimeEnabled": True},
         "privileged": True,
         "imagePullSecrets": [{"name": "regcred"}],
         "extraEnv": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
@@ -107,11 +107,13 @@ def render_raw(
     kube_version: str | None = CLUSTER_KUBE_VERSION,
     api_versions: tuple[str, ...] | None = CLUSTER_API_VERSIONS,
     chart: helm_python.Chart | None = None,
+    name: str = RELEASE,
+    namespace: str = NAMESPACE,
 ) -> dict[str, str]:
     """Render as `helm template --kube-version --api-versions` does. Chart.render does not expose those
     two options, but the SDK's native helm_render takes them (its render options JSON); None leaves
     Helm's offline defaults."""
-    opts: dict[str, Any] = {"name": RELEASE, "namespace": NAMESPACE}
+    opts: dict[str, Any] = {"name": name, "namespace": namespace}
     if kube_version is not None:
         opts["kube_version"] = kube_version
     if api_versions is not None:

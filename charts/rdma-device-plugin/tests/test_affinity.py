@@ -116,3 +116,31 @@ def test_custom_mode_label_key() -> None:
     values = {"modeLabelKey": "example.com/rdma-mode"}
     assert where(values, {**NFD, "example.com/rdma-mode": "exclusive"}) == ["exclusive"]
     assert where(values, {**NFD, MODE: "exclusive"}) == ["shared"]
+
+
+# ------------------------------------------------------------------ validation.required (fleet playbooks)
+
+VALIDATED = "rdma.lingjun.io/validated"
+
+
+@pytest.mark.parametrize("default_mode", ["shared", "exclusive"])
+@pytest.mark.parametrize("node", sorted(NODES))
+def test_validation_required_needs_the_validated_label(default_mode: str, node: str) -> None:
+    """Every nodeSelectorTerm also requires rdma.lingjun.io/validated=true: an unvalidated or failed node
+    gets no plugin, a validated one the DaemonSet its mode label picks (the partition is unchanged)."""
+    labels, labelled_mode = NODES[node]
+    values = {"mode": default_mode, "validation": {"required": True}}
+    expected = [labelled_mode or default_mode]
+    assert where(values, {**labels, VALIDATED: "true"}) == expected
+    assert where(values, labels) == []
+    assert where(values, {**labels, VALIDATED: "false"}) == []
+    # off (the default): the label does not matter
+    assert where({"mode": default_mode}, {**labels, VALIDATED: "false"}) == expected
+
+
+def test_validation_required_is_in_every_term() -> None:
+    for ds in daemonsets({"validation": {"required": True}, "affinity": None}).values():
+        terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert terms and all({"key": VALIDATED, "operator": "In", "values": ["true"]} in t["matchExpressions"] for t in terms)
+    for ds in daemonsets({}).values():
+        assert VALIDATED not in str(ds["spec"]["template"]["spec"]["affinity"])

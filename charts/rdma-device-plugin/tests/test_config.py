@@ -76,3 +76,25 @@ def test_link_event_health_values_reach_the_plugin_and_hostnetwork_gives_them_ne
     default = one(manifests({}), "DaemonSet", "-shared")["spec"]["template"]["spec"]
     assert "hostNetwork" not in default
     assert _configs({})["shared"].health.link_events is True
+
+
+def test_numa_pools_reach_the_shared_config_only() -> None:
+    """numaPools splits shared pools; the exclusive DaemonSet's config leaves it out (the plugin refuses it
+    there: exclusive devices already carry each NIC's NUMA node)."""
+    values = {"numaPools": True, "extraResources": [{"name": "rdma/ib", "numaPools": True}, {"name": "rdma/x"}]}
+    configs = _configs(values)
+    assert [r.numa_pools for r in configs["shared"].resources] == [True, True, False]
+    assert [r.numa_pools for r in configs["exclusive"].resources] == [False, False, False]
+
+
+def test_workload_env_reaches_the_plugin() -> None:
+    assert _configs({})["shared"].workload_env.model_dump(by_alias=True) == {
+        "enabled": True,
+        "addrFamily": "auto",
+        "addrRange": "",
+        "roceVersion": 2,
+        "ucx": True,
+    }
+    values = {"workloadEnv": {"enabled": False, "addrFamily": "AF_INET6", "addrRange": "2408:4005::/32", "ucx": False}}
+    env = _configs(values)["exclusive"].workload_env
+    assert (env.enabled, env.addr_family, env.addr_range, env.ucx) == (False, "AF_INET6", "2408:4005::/32", False)

@@ -205,7 +205,7 @@ def test_check_script_fails_per_device_without_rdma() -> None:
     env = {"PATH": "/usr/bin:/bin", "RDMA_DEVICES": "mlx5_bond_0,mlx5_bond_1", "PYTHONPATH": "/usr/lib/python3/dist-packages"}
     result = _run_check(env)
     assert result.returncode == 1, result
-    lines = result.stdout.splitlines()
+    lines = [line for line in result.stdout.splitlines() if not line.startswith("env ")]  # the env comes first
     assert [line.split()[:2] for line in lines] == [["FAIL", "mlx5_bond_0:"], ["FAIL", "mlx5_bond_1:"]], result.stdout
     result = _run_check({"PATH": "/usr/bin:/bin"})
     assert result.returncode == 1 and "RDMA_DEVICES is not set" in result.stdout + result.stderr
@@ -240,7 +240,10 @@ class _Ctx:
         return _Obj(state=state, link_layer=link)
 
     def query_gid_table(self, max_entries: int) -> list[Any]:
-        return [_Obj(port_num=p, gid_type=t, gid_str=lambda g=g: g, ndev_ifindex=i) for p, t, g, i in self.gids][:max_entries]
+        return [
+            _Obj(port_num=p, gid_index=n, gid_type=t, gid_str=lambda g=g: g, ndev_ifindex=i)
+            for n, (p, t, g, i) in enumerate(self.gids)
+        ][:max_entries]
 
 
 @pytest.mark.parametrize(
@@ -259,6 +262,43 @@ def test_check_verdicts(ctx: _Ctx, ok: bool, needle: str) -> None:
     check = _load_check()
     good, line = check.verdict("mlx5_bond_0", lambda name: ctx)
     assert good is ok and line.startswith(("OK" if ok else "FAIL") + " mlx5_bond_0: ") and needle in line, line
+
+
+LINGJUN_GIDS = [(1, 1, "fe80::1", 7), (1, 2, "fe80::1", 7), (1, 1, "2408:4000::11", 7), (1, 2, "2408:4000::11", 7)]
+
+
+@pytest.mark.parametrize(
+    "index,ok,needle",
+    [
+        (3, True, "NCCL_IB_GID_INDEX 3 = RoCE v2 GID 2408:4000::11 on "),
+        (2, False, "NCCL_IB_GID_INDEX 2 is not a routable RoCE v2 GID on a netdev (2408:4000::11)"),  # RoCE v1
+        (1, False, "NCCL_IB_GID_INDEX 1 is not a routable RoCE v2 GID on a netdev (fe80::1)"),  # link-local
+        (9, False, "NCCL_IB_GID_INDEX 9 is not a routable RoCE v2 GID on a netdev (empty)"),
+    ],
+)
+def test_check_verdicts_with_the_plugins_gid_index(index: int, ok: bool, needle: str) -> None:
+    """issue 23: with NCCL_IB_GID_INDEX set, the GID at that index is the one that must work."""
+    good, line = _load_check().verdict("mlx5_bond_0", lambda name: _Ctx([(4, 2)], LINGJUN_GIDS), index)
+    assert good is ok and needle in line, line
+
+
+def test_check_prints_the_env_the_plugin_gave_the_pod() -> None:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "RDMA_DEVICES": "mlx5_bond_0",
+        "NCCL_IB_HCA": "=mlx5_bond_0",
+        "NCCL_IB_GID_INDEX": "3",
+        "UCX_NET_DEVICES": "mlx5_bond_0:1",
+        "OTHER": "x",
+    }
+    lines = _run_check(env).stdout.splitlines()
+    assert lines[:4] == [
+        "env NCCL_IB_GID_INDEX=3",
+        "env NCCL_IB_HCA==mlx5_bond_0",
+        "env RDMA_DEVICES=mlx5_bond_0",
+        "env UCX_NET_DEVICES=mlx5_bond_0:1",
+    ]
+    assert not any("OTHER" in line for line in lines)
 
 
 # ------------------------------------------------------------------ schema
@@ -344,10 +384,21 @@ def test_image_registry_and_global_image_registry() -> None:
     def image(values: dict[str, Any]) -> str:
         return str(daemonsets(values)["shared"]["spec"]["template"]["spec"]["containers"][0]["image"])
 
+    # bitnami's common.images.image: global.imageRegistry overrides image.registry; the repository has no host
+    assert image({}) == "registry.example.com/rdma/rdma-device-plugin:0.1.0"
+    assert image({"global": {"imageRegistry": "mirror.corp:5000"}}) == "mirror.corp:5000/rdma/rdma-device-plugin:0.1.0"
     assert image({"image": {"repository": "rdma/plugin"}, "global": {"imageRegistry": "mirror.local"}}) == "mirror.local/rdma/plugin:0.1.0"
-    assert image({"image": {"repository": "rdma/plugin", "registry": "own.local:5000"}, "global": {"imageRegistry": "mirror.local"}}) == "own.local:5000/rdma/plugin:0.1.0"
+    assert image({"image": {"repository": "rdma/plugin", "registry": "own.local:5000"}, "global": {"imageRegistry": "mirror.local"}}) == "mirror.local/rdma/plugin:0.1.0"
+    assert image({"image": {"repository": "rdma/plugin", "registry": ""}}) == "rdma/plugin:0.1.0"
     pod = one(manifests({"image": {"repository": "rdma/plugin", "registry": "own.local"}}), "Pod", "-test-allocation")
     assert pod["spec"]["containers"][0]["image"] == "own.local/rdma/plugin:0.1.0"
+    # a repository that names its host (what the Ansible automation sets) is taken whole...
+    for repo in ("127.0.0.1:5000/rdma-device-plugin", "localhost/rdma-device-plugin", "registry.corp/rdma/plugin"):
+        assert image({"image": {"repository": repo}}) == f"{repo}:0.1.0"
+        # ...and cannot take a mirror: one clear error instead of "<mirror>/<host>/<path>"
+        message = _render_error({"image": {"repository": repo}, "global": {"imageRegistry": "mirror.corp:5000"}})
+        assert f"global.imageRegistry=mirror.corp:5000 cannot apply: image.repository={repo} starts with a registry host" in message
+        assert "image.registry" in message
 
 
 def test_common_labels_on_every_object() -> None:
@@ -377,3 +428,47 @@ def test_namespace_override() -> None:
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["rdma-system"]}
     assert "-n rdma-system" in render(values)["rdma-device-plugin/templates/NOTES.txt"]
 
+
+
+# ------------------------------------------------------------------ hostNetwork x nonHostNetwork x mode: README and NOTES true for each
+
+
+def _combination_rows() -> list[dict[str, str]]:
+    section = README.split("Every combination, for either `mode`", 1)[1].split("\n\n", 2)[1]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip().replace("`", "") for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+
+
+def test_readme_combination_table_has_every_row() -> None:
+    rows = _combination_rows()
+    assert sorted((r["hostNetwork"], r["nonHostNetwork.enabled"]) for r in rows) == [
+        ("false", "false"), ("false", "true"), ("true", "false"), ("true", "true")]
+
+
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+def test_readme_and_notes_true_for_every_combination(mode: str) -> None:
+    """Each README row rendered: what it says of the plugin pods, RDMA pods and the NFD IPv6 label
+    holds for the DaemonSets, the policy and NOTES of that combination."""
+    for row in _combination_rows():
+        host, nhn = row["hostNetwork"] == "true", row["nonHostNetwork.enabled"] == "true"
+        values = {"mode": mode, "hostNetwork": host, "nonHostNetwork": {"enabled": nhn}}
+        in_node_netns = row["plugin pods"] == "node's network namespace"
+        assert in_node_netns or row["plugin pods"] == "pod network", row
+        for ds in daemonsets(values).values():
+            spec = ds["spec"]["template"]["spec"]
+            assert spec.get("hostNetwork", False) is in_node_netns, row
+        # the plugin writes the IPv6 label only when it sees the node's network namespace (nfd.py)
+        assert (row["NFD rdma-ipv6-compute-ready"] == "written") is in_node_netns, row
+        assert row["port changes noticed by"].startswith("link events" if in_node_netns else "polling"), row
+        must_host = row["RDMA pods"] == "must use `hostNetwork: true`"
+        assert must_host or row["RDMA pods"] == "may keep their own network namespace", row
+        policy = one(manifests(values), "ValidatingAdmissionPolicy", "-rdma-pods")
+        assert any("hostNetwork" in v["expression"] for v in policy["spec"]["validations"]) is must_host, row
+        notes = render(values)["rdma-device-plugin/templates/NOTES.txt"]
+        assert ("The plugin pods run in the node's network namespace (hostNetwork: true" in notes) is in_node_netns, row
+        assert ("The plugin pods run in the pod network (hostNetwork: false)" in notes) is not in_node_netns, row
+        assert ("the plugin pods (hostPath volumes, hostNetwork)" in notes) is in_node_netns, row
+        assert ("RDMA works only for pods with hostNetwork: true" in notes) is must_host, row
+        assert ("RDMA pods may keep their own network namespace" in notes) is not must_host, row
+        assert f"default mode: {mode}" in notes

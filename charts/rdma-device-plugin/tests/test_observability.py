@@ -4,17 +4,24 @@ exists, and every alert unit-tested with the real `promtool test rules` (Debian'
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import VAP_KINDS, by_kind, daemonsets, manifests, one, render_raw
+from conftest import CHART_DIR, VAP_KINDS, by_kind, daemonsets, manifests, one, render_raw
 
 PROMTOOL_DIR = Path(__file__).parent / "promtool"
 ALERTS = {
+    "RdmaFleetNotReady",
+    "RdmaDevicePluginTargetsAbsent",
+    "RdmaDevicePluginMissing",
+    "RdmaNodeLabelsAbsent",
+    "RdmaCapacityZero",
     "RdmaDevicePluginDown",
     "RdmaResourceNotRegistered",
     "RdmaAllocatableZero",
@@ -38,12 +45,43 @@ def rule_groups(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     return groups
 
 
-def run_promtool_tests(tmp_path: Path, groups: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}), encoding="utf-8")
+# Each promtool test file reads the rules rendered with these values (its rule_files entry).
+RULE_VALUES: dict[str, dict[str, Any]] = {
+    "rules.yaml": ON,
+    # a hand-written scrape job, no kube-state-metrics, validation.required, a stricter fleet threshold
+    "rules-custom.yaml": {
+        "validation": {"required": True},
+        "metrics": {
+            "enabled": True,
+            "jobSelector": 'job="rdma-plugins"',
+            "prometheusRule": {
+                "enabled": True,
+                "runbookBaseURL": "https://runbooks.example.com/rdma/",
+                "fleet": {"notReadyFraction": 0.25},
+                "kubeStateMetrics": {"enabled": False},
+            },
+        },
+    },
+    "rules-ksm.yaml": {
+        "validation": {"required": True},
+        "resourceName": "rdma/hca_roce",
+        "extraResources": [{"name": "example.com/ib"}],
+        "metrics": {
+            "enabled": True,
+            "prometheusRule": {"enabled": True, "kubeStateMetrics": {"selector": 'job="ksm"'}},
+        },
+    },
+}
+
+
+def run_promtool_tests(tmp_path: Path, groups: list[dict[str, Any]] | None = None) -> subprocess.CompletedProcess[str]:
+    for name, values in RULE_VALUES.items():
+        rendered = groups if (groups is not None and name == "rules.yaml") else rule_groups(values)
+        (tmp_path / name).write_text(yaml.safe_dump({"groups": rendered}), encoding="utf-8")
+        check = subprocess.run([promtool(), "check", "rules", str(tmp_path / name)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
     for test in PROMTOOL_DIR.glob("*.test.yaml"):
         shutil.copy(test, tmp_path / test.name)
-    check = subprocess.run([promtool(), "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
     files = sorted(str(p) for p in tmp_path.glob("*.test.yaml"))
     return subprocess.run([promtool(), "test", "rules", *files], capture_output=True, text=True, timeout=300)
 
@@ -62,18 +100,39 @@ def test_promtool_every_alert_fires_and_stays_quiet(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_promtool_tests_catch_a_broken_rule(tmp_path: Path) -> None:
-    """The same tests fail when an alert loses its `for` (fires at once) or names the wrong job."""
+BROKEN = {
+    # the rules as they were before issue 22: each blind spot must make the tests fail
+    "RdmaDevicePluginDown": "up == 0",
+    "RdmaAllocatableZero": (
+        'rdma_dp_devices{job="rdma-rdma-device-plugin-metrics",health="Healthy"} == 0 and ignoring(health) '
+        'sum without(health) (rdma_dp_devices{job="rdma-rdma-device-plugin-metrics"}) > 0'
+    ),
+    "RdmaNicPortNotActive": 'rdma_dp_port_active{job="rdma-rdma-device-plugin-metrics"} == 0',
+    "RdmaCapacityZero": 'sum by (node) (rdma_dp_devices{job="rdma-rdma-device-plugin-metrics"}) < 0',
+    "RdmaDevicePluginMissing": 'up{job="rdma-rdma-device-plugin-metrics"} == 0',
+}
+
+
+@pytest.mark.parametrize("alert", sorted(BROKEN))
+def test_promtool_tests_catch_a_broken_rule(tmp_path: Path, alert: str) -> None:
+    """The same tests fail with the old expression of an alert (up == 0 sees no missing target, a
+    health label leaks, an unused NIC's port fires, capacity 0 is never seen)."""
     groups = rule_groups()
-    for rule in groups[0]["rules"]:
-        if rule["alert"] == "RdmaNicPortNotActive":
-            rule["for"] = "0m"
-        if rule["alert"] == "RdmaDevicePluginDown":
-            rule["expr"] = "up == 0"
+    (rule,) = [r for r in groups[0]["rules"] if r["alert"] == alert]
+    rule["expr"] = BROKEN[alert]
     result = run_promtool_tests(tmp_path, groups)
     assert result.returncode != 0
-    assert "RdmaNicPortNotActive" in result.stdout + result.stderr
-    assert "RdmaDevicePluginDown" in result.stdout + result.stderr
+    assert alert in result.stdout + result.stderr
+
+
+def test_promtool_tests_catch_a_lost_for(tmp_path: Path) -> None:
+    groups = rule_groups()
+    for rule in groups[0]["rules"]:
+        if rule["alert"] in ("RdmaNicPortNotActive", "RdmaReregistrationStorm"):
+            rule["for"] = "0m"
+    out = run_promtool_tests(tmp_path, groups)
+    assert out.returncode != 0
+    assert "RdmaNicPortNotActive" in out.stdout + out.stderr and "RdmaReregistrationStorm" in out.stdout + out.stderr
 
 
 def test_short_for_from_values() -> None:
@@ -82,14 +141,64 @@ def test_short_for_from_values() -> None:
     assert port["for"] == "5s"
 
 
+FLEET_ALERTS = {"RdmaFleetNotReady", "RdmaDevicePluginTargetsAbsent", "RdmaNodeLabelsAbsent"}
+
+
 def test_every_alert_names_node_and_links_its_runbook() -> None:
     runbooks = (Path(__file__).parents[3] / "docs" / "alerts.md").read_text(encoding="utf-8")
+    base = "https://github.com/lingjun-rdma/rdma-device-plugin/blob/main/docs/alerts.md"
     for rule in rule_groups()[0]["rules"]:
         ann = rule["annotations"]
-        assert "{{ $labels.node }}" in ann["summary"], rule["alert"]
-        assert ann["runbook_url"] == f"docs/alerts.md#{rule['alert'].lower()}"
+        if rule["alert"] not in FLEET_ALERTS:
+            assert "{{ $labels.node }}" in ann["summary"], rule["alert"]
+        assert ann["runbook_url"] == f"{base}#{rule['alert'].lower()}"
         assert f"## {rule['alert']}" in runbooks, f"docs/alerts.md has no runbook for {rule['alert']}"
-        assert rule["labels"]["severity"] in ("critical", "warning")
+        # mixins page on the fleet, not per node: a 1000-node fleet must not page 1000 times
+        expected = "critical" if rule["alert"] in ("RdmaFleetNotReady", "RdmaDevicePluginTargetsAbsent") else "warning"
+        assert rule["labels"]["severity"] == expected, rule["alert"]
+        assert rule["for"] and not rule["for"].startswith("0"), rule["alert"]
+
+
+def test_docs_alerts_table_matches_the_rules() -> None:
+    """docs/alerts.md's table lists every rendered alert with its for and severity."""
+    import re
+
+    text = (Path(__file__).parents[3] / "docs" / "alerts.md").read_text(encoding="utf-8")
+    rows = {m[0]: (m[1], m[2]) for m in re.findall(r"^\| (Rdma\w+) \|[^\n]*\| `?(\w+)`? \| (critical|warning) \|$", text, flags=re.M)}
+    rules = {r["alert"]: (r["for"], r["labels"]["severity"]) for r in rule_groups()[0]["rules"]}
+    assert rows == rules
+
+
+@pytest.mark.parametrize(
+    "bad,needle",
+    [("docs/alerts.md", "/metrics/prometheusRule/runbookBaseURL"), ("ftp://x/alerts.md", "/metrics/prometheusRule/runbookBaseURL")],
+)
+def test_runbook_base_url_must_be_absolute(bad: str, needle: str) -> None:
+    values = {"metrics": {"enabled": True, "prometheusRule": {"enabled": True, "runbookBaseURL": bad}}}
+    with pytest.raises(Exception, match=needle):
+        rule_groups(values)
+
+
+@pytest.mark.parametrize("bad", ["0m", "0s", "00m"])
+def test_no_alert_may_lose_its_for(bad: str) -> None:
+    values = {"metrics": {"enabled": True, "prometheusRule": {"enabled": True, "for": {"reregistrationStorm": bad}}}}
+    with pytest.raises(Exception, match="/metrics/prometheusRule/for/reregistrationStorm"):
+        rule_groups(values)
+
+
+@pytest.mark.parametrize("bad", ['job=rdma', 'job="a" or up', "{job=\"a\"}"])
+def test_job_selector_must_be_label_matchers(bad: str) -> None:
+    with pytest.raises(Exception, match="/metrics/jobSelector"):
+        rule_groups({"metrics": {"enabled": True, "jobSelector": bad, "prometheusRule": {"enabled": True}}})
+
+
+def test_job_selector_reaches_every_rule() -> None:
+    values = {"metrics": {"enabled": True, "jobSelector": 'job="rdma-plugins",namespace="gpu"',
+                          "prometheusRule": {"enabled": True}, "dashboard": {"enabled": True}}}
+    for rule in rule_groups(values)[0]["rules"]:
+        if rule["alert"] != "RdmaNodeLabelsAbsent":
+            assert 'job="rdma-plugins",namespace="gpu"' in rule["expr"], rule["alert"]
+        assert "rdma-rdma-device-plugin-metrics" not in rule["expr"]
     port = next(r for r in rule_groups()[0]["rules"] if r["alert"] == "RdmaNicPortNotActive")
     assert "{{ $labels.nic }}" in port["annotations"]["summary"]
 
@@ -129,12 +238,65 @@ def test_dashboard_fleet_and_node_view() -> None:
     rows = [p["title"] for p in doc["panels"] if p["type"] == "row"]
     assert rows == ["Fleet", "Node $node"]
     queries = dashboard_queries(doc)
-    assert all('job="rdma-rdma-device-plugin-metrics"' in q for _, q in queries)
-    assert "__JOB__" not in json.dumps(doc)
+    assert all('job="rdma-rdma-device-plugin-metrics"' in q and 'cluster=~"$cluster"' in q for _, q in queries)
+    assert "__SELECTOR__" not in json.dumps(doc) and "__UID__" not in json.dumps(doc)
     titles = {t for t, _ in queries}
-    for want in ("Nodes RDMA-ready", "Allocatable vs capacity per node", "Port states", "Allocate latency (p99)"):
+    for want in ("Nodes RDMA-ready", "RDMA readiness by node", "Allocatable vs capacity per node", "Port states", "NICs",
+                 "Allocate latency (p99)"):
         assert want in titles
-    assert [v["name"] for v in doc["templating"]["list"]] == ["datasource", "node"]
+    assert [v["name"] for v in doc["templating"]["list"]] == ["datasource", "cluster", "node"]
+    cluster = doc["templating"]["list"][1]
+    # all clusters by default; ".*" also matches series without a cluster label (one cluster)
+    assert cluster["includeAll"] is True and cluster["allValue"] == ".*"
+
+
+def test_dashboard_panels_have_ids_tables_are_instant_rates_use_rate_interval() -> None:
+    doc = dashboard()
+    ids = [p["id"] for p in doc["panels"]]
+    assert all(isinstance(i, int) and i > 0 for i in ids) and len(set(ids)) == len(ids) == len(doc["panels"])
+    for panel in doc["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            if panel["type"] == "table":
+                # one row per node/NIC with its labels as columns, not one frame per series
+                assert target["instant"] is True and target["format"] == "table", panel["title"]
+            for window in re.findall(r"\[([^\]]+)\]", expr):
+                assert window == "$__rate_interval", (panel["title"], expr)
+        if panel["type"] == "table":
+            ids_ = [t["id"] for t in panel["transformations"]]
+            assert "organize" in ids_ and (len(panel["targets"]) == 1 or "merge" in ids_), panel["title"]
+            organize = next(t for t in panel["transformations"] if t["id"] == "organize")["options"]
+            assert organize["excludeByName"].get("Time") is True and organize["renameByName"], panel["title"]
+
+
+def test_dashboard_uid_and_title_per_release() -> None:
+    """Two releases in one Grafana: different uids (at most 40 characters) and titles (unique per folder)."""
+    values = ON
+    docs = []
+    for name, namespace in (("rdma", "kube-system"), ("rdma-b", "kube-system"), ("rdma", "gpu")):
+        rendered = render_raw(values, name=name, namespace=namespace)
+        cm = next(d for d in yaml.safe_load_all(rendered["rdma-device-plugin/templates/dashboard.yaml"]) if d)
+        docs.append(json.loads(cm["data"]["rdma-device-plugin.json"]))
+    uids = [d["uid"] for d in docs]
+    assert len(set(uids)) == 3 and all(len(u) <= 40 and re.match(r"^[a-zA-Z0-9_-]+$", u) for u in uids)
+    assert len({d["title"] for d in docs}) == 3 and docs[1]["title"] == "RDMA device plugin (kube-system/rdma-b)"
+    assert uids[0] == dashboard()["uid"]  # stable: the same release keeps its uid across upgrades
+
+
+def test_dashboard_is_generated_by_the_sdk() -> None:
+    """files/dashboards/rdma-device-plugin.json is what dashboards/build.py (grafana-foundation-sdk) builds."""
+    build = CHART_DIR / "dashboards" / "build.py"
+    result = subprocess.run([sys.executable, str(build), "--check"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "grafana_foundation_sdk" in build.read_text(encoding="utf-8")
+
+
+def test_job_selector_reaches_every_panel() -> None:
+    values = {"metrics": {"enabled": True, "jobSelector": 'job="rdma-plugins",namespace="gpu"', "dashboard": {"enabled": True}}}
+    doc = dashboard(values)
+    assert "rdma-rdma-device-plugin-metrics" not in json.dumps(doc)
+    assert all('job="rdma-plugins",namespace="gpu"' in q for _, q in dashboard_queries(doc))
+    assert all('job="rdma-plugins",namespace="gpu"' in v["query"] for v in doc["templating"]["list"][1:])
 
 
 def test_nfd_feature_dir_mounted_only_when_enabled() -> None:

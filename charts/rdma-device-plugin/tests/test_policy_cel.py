@@ -12,7 +12,7 @@ import celpy
 import pytest
 from celpy import celtypes
 import helm_python
-from conftest import CASES, MONITORING, NAMESPACE, VAP_KINDS, by_kind, daemonsets, example_jobs, manifests, one, parse, render_raw
+from conftest import CASES, CLUSTER_API_VERSIONS, MONITORING, NAMESPACE, VAP_KINDS, by_kind, daemonsets, example_jobs, manifests, one, parse, render_raw
 
 ENV = celpy.Environment()
 
@@ -20,8 +20,8 @@ ENV = celpy.Environment()
 class Policy:
     """One rendered policy (picked by name suffix: -rdma-pods, -rdma-workloads, -rdma-cronjobs) and its binding."""
 
-    def __init__(self, values: dict[str, Any], suffix: str = "-rdma-pods") -> None:
-        objs = manifests(values)
+    def __init__(self, values: dict[str, Any], suffix: str = "-rdma-pods", objs: Optional[list[dict[str, Any]]] = None) -> None:
+        objs = manifests(values) if objs is None else objs
         self.policy = one(objs, "ValidatingAdmissionPolicy", suffix)
         self.binding = one(objs, "ValidatingAdmissionPolicyBinding", suffix)
         spec = self.policy["spec"]
@@ -304,6 +304,7 @@ WORKLOADS = {
     "ReplicaSet": ("apps/v1", ("spec", "template")),
     "Job": ("batch/v1", ("spec", "template")),
     "CronJob": ("batch/v1", ("spec", "jobTemplate", "spec", "template")),
+    "ReplicationController": ("v1", ("spec", "template")),
 }
 
 
@@ -345,10 +346,11 @@ def test_workload_policies_only_warn_and_cover_every_controller() -> None:
             assert rule["operations"] == ["CREATE", "UPDATE"]
             kinds |= {(g, r) for g in rule["apiGroups"] for r in rule["resources"]}
     assert kinds == {("apps", "deployments"), ("apps", "statefulsets"), ("apps", "daemonsets"),
-                     ("apps", "replicasets"), ("batch", "jobs"), ("batch", "cronjobs")}
+                     ("apps", "replicasets"), ("batch", "jobs"), ("batch", "cronjobs"), ("", "replicationcontrollers")}
     assert Policy({}).binding["spec"]["validationActions"] == ["Deny"]
     objs = manifests({"admissionPolicy": {"warnWorkloads": False}})
-    assert [o["metadata"]["name"] for o in by_kind(objs, "ValidatingAdmissionPolicy")] == ["rdma-rdma-device-plugin-rdma-pods"]
+    names = [o["metadata"]["name"] for o in by_kind(objs, "ValidatingAdmissionPolicy")]
+    assert names == ["rdma-rdma-device-plugin-rdma-pods", "rdma-rdma-device-plugin-rdma-pods-advice"]
 
 
 def test_workload_warning_keeps_audit() -> None:
@@ -381,7 +383,7 @@ def test_policy_needs_the_v1_api_and_says_so() -> None:
 
 def test_policy_rendered_when_the_cluster_serves_it() -> None:
     objs = parse(render_raw({}, kube_version="v1.30.0", api_versions=tuple(VAP_KINDS)))
-    assert len(by_kind(objs, "ValidatingAdmissionPolicy")) == 3
+    assert len(by_kind(objs, "ValidatingAdmissionPolicy")) == 4  # pods, pods-advice, workloads, cronjobs
 
 
 def test_offline_render_falls_back_to_the_kube_version() -> None:
@@ -396,3 +398,237 @@ def test_service_monitor_needs_prometheus_operator() -> None:
     assert "metrics.serviceMonitor.enabled=true" in message and "monitoring.coreos.com/v1" in message
     assert "--api-versions monitoring.coreos.com/v1" in message
     assert by_kind(parse(render_raw(values)), "ServiceMonitor")
+
+
+# ------------------------------------------------------------------ capabilities as containerd applies them
+
+
+def containerd_caps(add: list[str], drop: list[str], privileged: bool = False) -> set[str]:
+    """containerd's CRI (internal/cri/opts WithCapabilities, container_create_linux.go), transcribed:
+    privileged gets every capability and the capabilities field is not applied; else the default set,
+    ALL in add (util.InStringSlice: case-insensitive) grants all, ALL in drop clears, then every named
+    add as "CAP_" + upper(name), then every named drop the same way."""
+    known = {"CAP_CHOWN", "CAP_IPC_LOCK", "CAP_SYS_RESOURCE", "CAP_NET_RAW", "CAP_SYS_ADMIN"}
+    if privileged:
+        return known
+    caps = {"CAP_CHOWN", "CAP_NET_RAW"}  # part of containerd's default set; IPC_LOCK is not in it
+    if any(a.upper() == "ALL" for a in add):
+        caps = set(known)
+    if any(d.upper() == "ALL" for d in drop):
+        caps = set()
+    caps |= {"CAP_" + a.upper() for a in add if a.upper() != "ALL"}
+    caps -= {"CAP_" + d.upper() for d in drop if d.upper() != "ALL"}
+    return caps
+
+
+def caps_pod(add: Optional[list[str]], drop: Optional[list[str]], privileged: Optional[bool] = None) -> dict[str, Any]:
+    pod = rdma_pod(caps=None)
+    capabilities: dict[str, Any] = {}
+    if add is not None:
+        capabilities["add"] = add
+    if drop is not None:
+        capabilities["drop"] = drop
+    sc: dict[str, Any] = {"capabilities": capabilities}
+    if privileged is not None:
+        sc["privileged"] = privileged
+    pod["spec"]["containers"][0]["securityContext"] = sc
+    return pod
+
+
+@pytest.mark.parametrize(
+    "add,drop",
+    [(["ALL"], ["ALL"]), (["ALL"], ["IPC_LOCK"]), (["IPC_LOCK"], ["ipc_lock"]), (["all"], ["Ipc_Lock"]),
+     (["IPC_LOCK", "ALL"], ["all", "IPC_LOCK"]), (["SYS_RESOURCE"], ["ALL"])],
+)
+def test_drops_that_take_ipc_lock_away_are_denied(switch_off: Policy, add: list[str], drop: list[str]) -> None:
+    """The issue's cases: admitted before, yet the container ran without IPC_LOCK."""
+    assert "CAP_IPC_LOCK" not in containerd_caps(add, drop)
+    messages = switch_off.evaluate(caps_pod(add, drop))
+    assert _ipc_lock_denied(messages), (add, drop, messages)
+    assert messages and "do not drop it" in messages[0] and "'train'" in messages[0]
+
+
+@pytest.mark.parametrize(
+    "add,drop",
+    [(["IPC_LOCK"], ["ALL"]), (["ALL", "IPC_LOCK"], ["ALL"]), (["all"], []), (["ipc_lock"], ["SYS_ADMIN"]), (["ALL"], None)],
+)
+def test_adds_that_survive_the_drops_are_admitted(switch_off: Policy, add: list[str], drop: Optional[list[str]]) -> None:
+    assert "CAP_IPC_LOCK" in containerd_caps(add, drop or [])
+    assert switch_off.evaluate(caps_pod(add, drop)) == []
+
+
+def test_policy_agrees_with_containerd_on_every_combination(switch_off: Policy) -> None:
+    """Every add/drop combination of a small vocabulary (spellings, ALL, another capability), plus
+    privileged: admitted exactly when containerd would give the container IPC_LOCK."""
+    import itertools
+
+    vocab = ["IPC_LOCK", "ipc_lock", "ALL", "all", "SYS_RESOURCE"]
+    lists = [list(c) for n in range(3) for c in itertools.combinations(vocab, n)]
+    checked = 0
+    for add, drop in itertools.product(lists, lists):
+        for privileged in (None, True):
+            granted = "CAP_IPC_LOCK" in containerd_caps(add, drop, privileged=bool(privileged))
+            messages = switch_off.evaluate(caps_pod(add, drop, privileged))
+            assert (messages == []) is granted, (add, drop, privileged, messages)
+            checked += 1
+    assert checked == 2 * len(lists) ** 2
+
+
+@pytest.mark.parametrize("field", ["add", "drop"])
+def test_cap_prefix_in_drop_is_refused_too(switch_off: Policy, field: str) -> None:
+    """A drop of CAP_SYS_ADMIN removes nothing on containerd (CAP_CAP_SYS_ADMIN) but works on CRI-O."""
+    caps = {"add": ["IPC_LOCK"], "drop": []}
+    caps[field] = caps[field] + ["CAP_SYS_ADMIN"]
+    messages = switch_off.evaluate(caps_pod(caps["add"], caps["drop"]))
+    assert messages and any("'CAP_SYS_ADMIN'" in m and "without the CAP_ prefix" in m for m in messages)
+
+
+# ------------------------------------------------------------------ rdma/hca: 0 is no request
+
+
+@pytest.mark.parametrize("zero", [0, "0"])
+def test_a_zero_request_is_no_request(switch_off: Policy, zero: Any) -> None:
+    """Charts that render a switched-off toggle as `rdma/hca: 0`: the pod asks for no device."""
+    pod = rdma_pod(host_network=False, security_context=False)
+    pod["spec"]["containers"][0]["resources"] = {"limits": {"rdma/hca": zero, "nvidia.com/gpu": 8}}
+    assert switch_off.evaluate(pod) is None
+    pod["spec"]["containers"][0]["resources"]["requests"] = {"rdma/hca": zero}
+    assert switch_off.evaluate(pod) is None
+    for one_ in (1, "1", "1k"):
+        pod["spec"]["containers"][0]["resources"] = {"limits": {"rdma/hca": one_}}
+        assert _hostnetwork_denied(switch_off.evaluate(pod)), one_
+    workload_policy = _workload_policy("Deployment")
+    zero_pod = rdma_pod(host_network=False, security_context=False)
+    zero_pod["spec"]["containers"][0]["resources"] = {"limits": {"rdma/hca": zero}}
+    assert workload_policy.evaluate(workload("Deployment", zero_pod)) is None
+
+
+# ------------------------------------------------------------------ non-root RDMA containers: Warn with the fix
+
+
+@pytest.fixture(scope="module")
+def advice() -> Policy:
+    return Policy({}, "-rdma-pods-advice")
+
+
+def _with_users(container: Optional[dict[str, Any]] = None, pod: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    p = rdma_pod()
+    if container:
+        p["spec"]["containers"][0]["securityContext"].update(container)
+    if pod:
+        p["spec"]["securityContext"] = pod
+    return p
+
+
+@pytest.mark.parametrize(
+    "container,pod",
+    [({"runAsUser": 1000}, None), (None, {"runAsUser": 1000}), ({"runAsNonRoot": True}, None),
+     (None, {"runAsNonRoot": True}), ({"runAsUser": 1000}, {"runAsUser": 0})],
+)
+def test_non_root_rdma_containers_get_a_warning_with_the_fix(advice: Policy, switch_off: Policy,
+                                                             container: Any, pod: Any) -> None:
+    p = _with_users(container, pod)
+    (message,) = advice.evaluate(p) or [""]
+    assert "'train'" in message and "non-root" in message and "56374" in message
+    assert "RLIMIT_MEMLOCK" in message and "runAsUser: 0" in message and "LimitMEMLOCK=infinity" in message
+    assert switch_off.evaluate(p) == []  # advice only: the Deny policy admits it
+    assert advice.binding["spec"]["validationActions"] == ["Warn"]
+    assert advice.policy["spec"]["failurePolicy"] == "Ignore"
+
+
+@pytest.mark.parametrize(
+    "container,pod",
+    [(None, None), ({"runAsUser": 0}, None), ({"runAsUser": 0}, {"runAsUser": 1000}),
+     ({"runAsUser": 0}, {"runAsNonRoot": True}), ({"runAsNonRoot": False}, None)],
+)
+def test_root_or_unknown_user_gets_no_warning(advice: Policy, container: Any, pod: Any) -> None:
+    assert advice.evaluate(_with_users(container, pod)) == []
+
+
+def test_non_root_warning_reaches_workload_templates() -> None:
+    for kind in ("Deployment", "Job", "CronJob", "ReplicationController"):
+        policy = _workload_policy(kind)
+        messages = policy.evaluate(workload(kind, _with_users({"runAsUser": 1000})))
+        assert messages and any("non-root" in m for m in messages), kind
+        assert policy.evaluate(workload(kind, _with_users({"runAsUser": 0}))) == []
+
+
+def test_advice_keeps_audit() -> None:
+    assert Policy({"admissionPolicy": {"validationActions": ["Deny", "Audit"]}}, "-rdma-pods-advice").binding["spec"][
+        "validationActions"] == ["Warn", "Audit"]
+
+
+@pytest.mark.parametrize("case", ["defaults", "non-hostnetwork", "extra-resources"])
+def test_chart_test_pod_passes_every_policy_without_a_warning(case: str) -> None:
+    pod = one(manifests(CASES[case]), "Pod", "-test-allocation")
+    for suffix in ("-rdma-pods", "-rdma-pods-advice"):
+        assert Policy(CASES[case], suffix).evaluate(pod, namespace=NAMESPACE) == [], suffix
+    caps = pod["spec"]["containers"][0]["securityContext"]["capabilities"]
+    assert "CAP_IPC_LOCK" in containerd_caps(caps.get("add", []), caps.get("drop", []))
+
+
+# ------------------------------------------------------------------ RDMA training-job APIs, where served
+
+CRD_KINDS = {
+    "MPIJob": ("kubeflow.org/v2beta1", "-rdma-mpijobs"),
+    "PyTorchJob": ("kubeflow.org/v1", "-rdma-pytorchjobs"),
+    "JobSet": ("jobset.x-k8s.io/v1alpha2", "-rdma-jobsets"),
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "-rdma-leaderworkersets"),
+}
+SERVED = (*CLUSTER_API_VERSIONS, *(f"{gv}/{kind}" for kind, (gv, _) in CRD_KINDS.items()), *(gv for gv, _ in CRD_KINDS.values()))
+
+
+def crd_object(kind: str, good: dict[str, Any], bad: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """`good`/`bad` are pods; their metadata+spec become the object's pod templates, in the places
+    the APIs keep them (kubeflow replica-spec maps, JobSet replicatedJobs, LWS leader/worker)."""
+    def tpl(pod: dict[str, Any]) -> dict[str, Any]:
+        return {"metadata": pod["metadata"], "spec": pod["spec"]}
+
+    second = tpl(bad or good)
+    if kind == "MPIJob":
+        spec = {"mpiReplicaSpecs": {"Launcher": {"replicas": 1, "template": tpl(good)}, "Worker": {"replicas": 4, "template": second}}}
+    elif kind == "PyTorchJob":
+        spec = {"pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": tpl(good)}, "Worker": {"replicas": 3, "template": second}}}
+    elif kind == "JobSet":
+        spec = {"replicatedJobs": [{"name": "a", "template": {"spec": {"template": tpl(good)}}},
+                                   {"name": "b", "template": {"spec": {"template": second}}}]}
+    else:
+        spec = {"leaderWorkerTemplate": {"size": 4, "leaderTemplate": tpl(good), "workerTemplate": second}}
+    gv, _ = CRD_KINDS[kind]
+    return {"apiVersion": gv, "kind": kind, "metadata": {"name": "train"}, "spec": spec}
+
+
+def test_training_job_policies_only_where_their_api_is_served() -> None:
+    names = {o["metadata"]["name"] for o in by_kind(manifests({}), "ValidatingAdmissionPolicy")}
+    assert not any(n.endswith(s) for n in names for _, s in CRD_KINDS.values())
+    objs = parse(render_raw({}, api_versions=SERVED))
+    for kind, (gv, suffix) in CRD_KINDS.items():
+        policy = Policy({}, suffix, objs=objs)
+        (rule,) = policy.policy["spec"]["matchConstraints"]["resourceRules"]
+        group, version = gv.split("/")
+        assert rule["apiGroups"] == [group] and rule["apiVersions"] == [version], kind
+        assert rule["resources"] == [kind.lower() + "s"]
+        assert policy.binding["spec"]["validationActions"] == ["Warn"]
+    # an API whose group/version is served without the kind (another CRD of the group) does not count
+    only_group = (*CLUSTER_API_VERSIONS, "kubeflow.org/v1", "kubeflow.org/v1/TFJob")
+    names = {o["metadata"]["name"] for o in by_kind(parse(render_raw({}, api_versions=only_group)), "ValidatingAdmissionPolicy")}
+    assert not any(n.endswith("-rdma-pytorchjobs") or n.endswith("-rdma-mpijobs") for n in names)
+
+
+@pytest.mark.parametrize("kind", sorted(CRD_KINDS))
+def test_training_job_templates_warn(kind: str) -> None:
+    policy = Policy({}, CRD_KINDS[kind][1], objs=parse(render_raw({}, api_versions=SERVED)))
+    good = rdma_pod()
+    assert policy.evaluate(crd_object(kind, good)) == []
+    # the bad template is the second one (the workers): the first is fine
+    messages = policy.evaluate(crd_object(kind, good, rdma_pod(host_network=False, caps=["ALL"])))
+    assert messages is not None and _hostnetwork_denied(messages) and not _ipc_lock_denied(messages)
+    messages = policy.evaluate(crd_object(kind, good, caps_pod(["IPC_LOCK"], ["ipc_lock"])))
+    assert _ipc_lock_denied(messages)
+    messages = policy.evaluate(crd_object(kind, good, _with_users({"runAsUser": 1000})))
+    assert messages and any("non-root" in m for m in messages)
+    # a launcher without RDMA needs neither hostNetwork nor IPC_LOCK
+    launcher = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "l"},
+                "spec": {"containers": [{"name": "launcher", "image": "img"}]}}
+    assert policy.evaluate(crd_object(kind, launcher, good)) == []
+    assert policy.evaluate(crd_object(kind, launcher)) is None

@@ -1,6 +1,9 @@
 """A real Prometheus (Debian's prometheus, 127.0.0.1, 1 s scrapes, its own data dir and port)
-scrapes the real plugin serving a fixture node to the kubelet simulator: every dashboard panel's
-query returns data, and a port put DOWN fires the matching alerts (short `for`)."""
+scrapes the real plugin serving a fixture node to the kubelet simulator, and a kube-state-metrics
+stand-in (prometheus_client serving kube_node_labels and kube_node_status_capacity as
+kube-state-metrics names them, for the fixture node and one RDMA node that runs no plugin): every
+dashboard panel's query returns data before any Allocate, the alerts that see absence fire for the
+node without a plugin, and a port put DOWN fires the matching alerts (short `for`)."""
 
 from __future__ import annotations
 
@@ -17,16 +20,41 @@ from typing import Any
 import pytest
 from conftest import manifests, one
 
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
 from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.node import fixtures
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-from prometheus_local import Prometheus, free_port  # noqa: E402
+from prometheus_local import Prometheus, chart_for_keys, free_port  # noqa: E402
 
 RES = "rdma/hca"
 JOB = "rdma-rdma-device-plugin-metrics"
 NODE = "fixture-node"
+MISSING = "gpu-no-plugin"  # an RDMA node (NFD label) whose plugin never came: a mode-label typo
 WAIT = 120.0  # generous: a loaded 2-core machine
+
+
+class KubeStateMetrics(Collector):
+    """The two kube-state-metrics families the alerts read, labelled as kube-state-metrics does
+    (kube_node_labels with --metric-labels-allowlist; the resource name sanitized, unit integer).
+    A stand-in: the real one reads the API server, which this machine does not have."""
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        labels = GaugeMetricFamily(
+            "kube_node_labels", "Kubernetes labels converted to Prometheus labels.",
+            labels=["node", "label_feature_node_kubernetes_io_pci_15b3_present", "label_rdma_lingjun_io_mode"],
+        )  # fmt: skip
+        labels.add_metric([NODE, "true", ""], 1)
+        labels.add_metric([MISSING, "true", "exclsuive"], 1)
+        labels.add_metric(["cpu-node", "", ""], 1)
+        yield labels
+        capacity = GaugeMetricFamily("kube_node_status_capacity", "The capacity for different resources of a node.",
+                                     labels=["node", "resource", "unit"])
+        capacity.add_metric([NODE, "rdma_hca", "integer"], 1000)
+        yield capacity
 
 
 def wait_for(check: Callable[[], Any], timeout: float = WAIT, every: float = 0.5) -> Any:
@@ -51,21 +79,29 @@ def rig() -> Iterator[dict[str, Any]]:
     cmd += ["--procfs-root", fx.procfs, "--device-plugin-dir", str(dp), "--health-file", str(tmp / "health.json")]
     cmd += ["--metrics-address", f"127.0.0.1:{port}"]
     plugin = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    registry = CollectorRegistry()
+    registry.register(KubeStateMetrics())
+    ksm_server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+    ksm_target = f"127.0.0.1:{ksm_server.server_address[1]}"
     values = {
         "metrics": {
             "enabled": True,
             "dashboard": {"enabled": True},
-            "prometheusRule": {"enabled": True, "for": {"nicPortNotActive": "2s", "allocatableZero": "2s"}},
+            "prometheusRule": {"enabled": True, "for": dict.fromkeys(chart_for_keys(), "2s")},
         }
     }
     objs = manifests(values)
     groups = one(objs, "PrometheusRule")["spec"]["groups"]
     dashboard = json.loads(one(objs, "ConfigMap", "-dashboard")["data"]["rdma-device-plugin.json"])
-    prom = Prometheus(JOB, [f"127.0.0.1:{port}"], {"node": NODE, "namespace": "kube-system", "pod": "rdma-fixture"}, groups)
+    ksm_job = {"job_name": "kube-state-metrics", "static_configs": [{"targets": [ksm_target]}]}
+    prom = Prometheus(JOB, [f"127.0.0.1:{port}"], {"node": NODE, "namespace": "kube-system", "pod": "rdma-fixture"}, groups,
+                      extra_scrape_configs=[ksm_job])
     try:
         yield {"fx": fx, "sim": sim, "prom": prom, "dashboard": dashboard, "log": tmp / "plugin.log"}
     finally:
         prom.stop()
+        ksm_server.shutdown()
+        ksm_server.server_close()
         if plugin.poll() is None:
             plugin.terminate()
             try:
@@ -88,34 +124,60 @@ def firing(prom: Prometheus, name: str, **labels: str) -> list[dict[str, Any]]:
     ]
 
 
-def test_dashboard_queries_return_data_and_port_down_fires(rig: dict[str, Any]) -> None:
+def panel_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """Every panel's query as Grafana sends it here: one node, all clusters, a 1m rate window."""
+    subst = {"$node": NODE, "$cluster": ".*", "$__rate_interval": "1m"}
+    out = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for key, value in subst.items():
+                expr = expr.replace(key, value)
+            assert "$" not in expr, expr
+            out.append((panel["title"], expr))
+    return out
+
+
+def test_dashboard_queries_return_data_and_alerts_see_absence(rig: dict[str, Any]) -> None:
     prom: Prometheus = rig["prom"]
     sim: KubeletSimulator = rig["sim"]
     assert sim.wait_registered(RES, timeout=WAIT), rig["log"].read_text()
     prom.wait_ready(WAIT)
     assert wait_for(lambda: prom.query(f'up{{job="{JOB}"}} == 1')), prom.targets()
-    for pod in ("a", "b"):
-        sim.allocate(RES, 1, pod=pod)
 
-    queries = [
-        (p["title"], t["expr"].replace("$node", NODE))
-        for p in rig["dashboard"]["panels"]
-        if p["type"] != "row"
-        for t in p["targets"]
-    ]
-    assert len(queries) >= 12
+    # before any Allocate: every panel has data, the Allocate histogram included
+    queries = panel_queries(rig["dashboard"])
+    assert len(queries) >= 15
     empty = [(title, q) for title, q in queries if not wait_for(lambda q=q: prom.query(q))]
     assert not empty, f"panels without data: {empty}"
-    node_var = rig["dashboard"]["templating"]["list"][1]["query"]["query"]
-    assert node_var.startswith("label_values(rdma_dp_build_info")
+    tables = [p for p in rig["dashboard"]["panels"] if p["type"] == "table"]
+    assert len(tables) == 3 and all(t["instant"] for p in tables for t in p["targets"])
+    for var in rig["dashboard"]["templating"]["list"][1:]:
+        series = var["query"].removeprefix("label_values(").rsplit(",", 1)[0].replace("$cluster", ".*")
+        assert prom.query(series), var["name"]
     assert prom.query(f'rdma_dp_build_info{{job="{JOB}"}}')[0]["metric"]["node"] == NODE
+    p99 = 'histogram_quantile(0.99, sum by (le) (rate(rdma_dp_allocate_seconds_bucket{job="%s"}[1m])))' % JOB
+    for pod in ("a", "b"):
+        sim.allocate(RES, 1, pod=pod)
+    assert wait_for(lambda: [r for r in prom.query(p99) if r["value"][1] != "NaN"]), prom.query(p99)
 
-    # healthy: nothing fires (the short for: has long passed by now)
-    assert not firing(prom, "RdmaNicPortNotActive") and not firing(prom, "RdmaAllocatableZero")
+    # the RDMA node without a plugin (kube-state-metrics says it is one) is named, the fixture node is not
+    assert wait_for(lambda: firing(prom, "RdmaDevicePluginMissing", node=MISSING)), prom.alerts()
+    assert not firing(prom, "RdmaDevicePluginMissing", node=NODE)
+    # 1 of 2 RDMA nodes cannot take RDMA pods: the fleet pages once
+    fleet = wait_for(lambda: firing(prom, "RdmaFleetNotReady"))
+    assert fleet and fleet[0]["labels"]["severity"] == "critical" and "50%" in fleet[0]["annotations"]["summary"], prom.alerts()
+    assert fleet[0]["annotations"]["runbook_url"].startswith("https://")
+
+    # healthy: nothing else fires (the short for: has long passed by now)
+    for name in ("RdmaNicPortNotActive", "RdmaAllocatableZero", "RdmaCapacityZero", "RdmaDevicePluginTargetsAbsent",
+                 "RdmaNodeLabelsAbsent", "RdmaDevicePluginDown", "RdmaResourceNotRegistered"):
+        assert not firing(prom, name), (name, prom.alerts())
     rig["fx"].set_port_state("mlx5_bond_1", "DOWN")
     assert wait_for(lambda: firing(prom, "RdmaNicPortNotActive", nic="mlx5_bond_1", port="1", node=NODE)), prom.alerts()
     alert = firing(prom, "RdmaNicPortNotActive", nic="mlx5_bond_1")[0]
     assert "mlx5_bond_1" in alert["annotations"]["summary"] and NODE in alert["annotations"]["summary"]
     # default health policy "all": one NIC down leaves the shared pool with nothing allocatable
     assert wait_for(lambda: firing(prom, "RdmaAllocatableZero", resource=RES, node=NODE)), prom.alerts()
+    assert "health" not in firing(prom, "RdmaAllocatableZero")[0]["labels"]
     assert not firing(prom, "RdmaNicPortNotActive", nic="mlx5_bond_0")

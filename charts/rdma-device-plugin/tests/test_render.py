@@ -29,6 +29,11 @@ def _render_for(case: str, version: str) -> list[dict]:
     api = (*MONITORING, *(VAP_KINDS if minor >= 30 else ["admissionregistration.k8s.io/v1/ValidatingWebhookConfiguration"]))
     if minor < 30:
         values["admissionPolicy"] = {**values.get("admissionPolicy", {}), "enabled": False}
+    if minor < 28 and values.get("cdi", {}).get("enabled"):
+        # the kubelet passes CDI devices from 1.28 on: the chart refuses cdi.enabled before
+        with pytest.raises(helm_python.HelmError, match=r"cdi.enabled=true needs Kubernetes >= 1.28"):
+            render_raw(values, kube_version=f"v{version}", api_versions=api)
+        values["cdi"] = {**values["cdi"], "enabled": False}
     return parse(render_raw(values, kube_version=f"v{version}", api_versions=api))
 
 
@@ -214,7 +219,7 @@ def test_everything_case_wiring() -> None:
 
 def test_image_tag_defaults_to_app_version() -> None:
     chart_yaml = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
-    assert chart_yaml["appVersion"] == "0.1.0" and chart_yaml["version"] == "0.1.0"
+    assert chart_yaml["appVersion"] == "0.1.0" and chart_yaml["version"] == "1.1.0"  # the chart has its own version
     for ds in daemonsets({}).values():
         assert ds["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.1.0")
 
@@ -269,7 +274,7 @@ def test_checksum_is_the_hash_of_the_mounted_config() -> None:
         {"nonHostNetwork": {"enabled": True}},
         {"selectors": {"drivers": ["mlx5_core"]}},
         {"health": {"policy": "any"}},
-        {"cdi": {"enabled": True}},
+        {"cdi": {"enabled": True, "runtimeEnabled": True}},
         {"resourceName": "rdma/hca2"},
     ],
 )

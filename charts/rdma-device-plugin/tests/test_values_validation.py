@@ -45,6 +45,11 @@ def assert_problems(message: str, *needles: str) -> None:
         ({"resourceName": "kubernetes.io/hca"}, "at '/resourceName'"),
         ({"extraResources": [{"name": "rdma/ib", "shared": 1}]}, "additional properties 'shared' not allowed"),
         ({"bogus": True}, "additional properties 'bogus' not allowed"),
+        ({"numaPools": "yes"}, "at '/numaPools': got string, want boolean"),
+        ({"workloadEnv": {"addrFamily": "inet6"}}, "at '/workloadEnv/addrFamily': value must be one of"),
+        ({"workloadEnv": {"addrRange": "10.0.0.1"}}, "at '/workloadEnv/addrRange'"),
+        ({"workloadEnv": {"roceVersion": 3}}, "at '/workloadEnv/roceVersion': value must be one of"),
+        ({"workloadEnv": {"gidIndex": 3}}, "additional properties 'gidIndex' not allowed"),
         ({"metrics": {"enabled": "yes"}}, "at '/metrics/enabled': got string, want boolean"),
         ({"metrics": {"port": 70000}}, "at '/metrics/port': maximum"),
         ({"admissionPolicy": {"validationActions": ["Reject"]}}, "at '/admissionPolicy/validationActions/0'"),
@@ -163,3 +168,57 @@ def test_ranges_checked_without_the_schema(schemaless_chart: helm_python.Chart) 
 def test_schemaless_chart_still_renders_good_values(schemaless_chart: helm_python.Chart) -> None:
     out = schemaless_chart.render({}, name=RELEASE, namespace=NAMESPACE)
     assert any(path.endswith("daemonset.yaml") for path in out)
+
+
+# ------------------------------------------------------------------ rolling update of a fleet
+
+
+def test_max_unavailable_defaults_to_a_fleet_percentage() -> None:
+    from conftest import daemonsets
+
+    for ds in daemonsets({}).values():
+        assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}
+    for good in (1, 25, "5%", "100%", "0%"):
+        values = {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": good, "maxSurge": 1}}}
+        for ds in daemonsets(values).values():
+            assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == good
+
+
+@pytest.mark.parametrize(
+    "bad,needle",
+    [("10", "/updateStrategy/rollingUpdate/maxUnavailable"), ("101%", "/updateStrategy/rollingUpdate/maxUnavailable"),
+     (-1, "/updateStrategy/rollingUpdate/maxUnavailable"), ("ten%", "/updateStrategy/rollingUpdate/maxUnavailable"),
+     (1.5, "/updateStrategy/rollingUpdate/maxUnavailable")],
+)
+def test_max_unavailable_schema(bad: object, needle: str) -> None:
+    message = render_error({"updateStrategy": {"rollingUpdate": {"maxUnavailable": bad}}})
+    assert needle in message
+    assert "additional properties 'maxUnavailabel' not allowed" in render_error(
+        {"updateStrategy": {"rollingUpdate": {"maxUnavailabel": 1}}})
+
+
+def test_max_unavailable_and_surge_both_zero(schemaless_chart: helm_python.Chart) -> None:
+    values = {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}}}
+    for chart in (None, schemaless_chart):
+        assert_problems(render_error(values, chart), "maxUnavailable is 0 and maxSurge is 0")
+
+
+# ------------------------------------------------------------------ CDI needs the runtime's CDI
+
+
+def test_cdi_needs_the_runtime_confirmed() -> None:
+    message = render_error({"cdi": {"enabled": True}})
+    assert_problems(message, "cdi.enabled=true makes the plugin answer Allocate with CDI device names only")
+    for needle in ("enable_cdi = true", "DevicePluginCDIDevices", "cdi.runtimeEnabled=true", "cdi.enabled=false"):
+        assert needle in message
+    render({"cdi": {"enabled": True, "runtimeEnabled": True}})
+    render({"cdi": {"runtimeEnabled": True}})  # a confirmation alone changes nothing
+
+
+def test_cdi_needs_kubernetes_1_28() -> None:
+    from conftest import MONITORING, VAP_KINDS, render_raw
+
+    values = {"cdi": {"enabled": True, "runtimeEnabled": True}, "admissionPolicy": {"enabled": False}}
+    with pytest.raises(helm_python.HelmError, match=r"cdi.enabled=true needs Kubernetes >= 1.28 .*v1.27.0"):
+        render_raw(values, kube_version="v1.27.0", api_versions=tuple(MONITORING))
+    render_raw(values, kube_version="v1.28.0", api_versions=(*MONITORING, *VAP_KINDS))

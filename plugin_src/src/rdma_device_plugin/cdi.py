@@ -6,12 +6,14 @@ content changes. With CDI on, Allocate answers with ``cdi_devices`` (fully-quali
 ``<kind>=<device>``) instead of device specs; envs are still returned.
 
 Naming:
-- kind: ``cdi.kind`` (default ``rdma.lingjun.io/hca``) when the config has one resource;
-  with several, each resource gets ``<cdi.kind>-<resource short name>`` so device names
-  never clash between spec files of the same kind.
+- kind: ``cdi.kind`` (default ``rdma.lingjun.io/hca``) when the plugin serves one pool;
+  with several (resources, or the pools ``numaPools`` makes), each gets
+  ``<cdi.kind>-<resource short name>`` so device names never clash between spec files of the
+  same kind.
 - file: ``<vendor>-<class>.json``, e.g. ``rdma.lingjun.io-hca.json``.
 - shared mode: one device ``all`` whose containerEdits hold every NIC's uverbs (plus
-  umad/issm when configured) and ``rdma_cm``.
+  umad/issm when configured) and ``rdma_cm``; a ``-local`` pool (numaPools) has one device per
+  NUMA node instead, ``numa<N>`` with that node's NICs, and an allocation names the nodes it got.
 - exclusive mode: one device per NIC named after its RDMA device (``mlx5_bond_0``),
   with that NIC's char devices; ``rdma_cm`` is in the spec-wide containerEdits.
 
@@ -59,12 +61,24 @@ def _node(path: str) -> dict[str, Any]:
     return {"path": path, "hostPath": path, "type": "c", "permissions": "rw"}
 
 
-def build_spec(kind: str, mode: str, nics: Sequence[Nic], umad: bool = False, issm: bool = False) -> dict[str, Any]:
-    """The CDI spec (plain data) for one resource's present NICs."""
+def numa_group(nics: Sequence[Nic]) -> tuple[int, ...]:
+    """The NUMA nodes of ``nics`` (a -local pool's CDI devices are per node)."""
+    return tuple(sorted({n.numa_node for n in nics if n.numa_node is not None}))
+
+
+def build_spec(
+    kind: str, mode: str, nics: Sequence[Nic], umad: bool = False, issm: bool = False, per_numa: bool = False
+) -> dict[str, Any]:
+    """The CDI spec (plain data) for one resource's present NICs (``per_numa``: a -local pool)."""
     rdma_cm = _node(f"{NODE_DEV_DIR}/{RDMA_CM}")
     usable = sorted((n for n in nics if n.uverbs is not None and n.uverbs.present), key=lambda n: n.name)
     spec: dict[str, Any] = {"cdiVersion": CDI_VERSION, "kind": kind, "devices": []}
-    if mode == "shared":
+    if mode == "shared" and per_numa:
+        for node in numa_group(usable):
+            nodes = [_node(c.node_path) for n in usable if n.numa_node == node for c in n.char_devices(umad, issm)]
+            spec["devices"].append({"name": f"numa{node}", "containerEdits": {"deviceNodes": nodes}})
+        spec["containerEdits"] = {"deviceNodes": [rdma_cm]}
+    elif mode == "shared":
         if usable:
             nodes = [_node(c.node_path) for n in usable for c in n.char_devices(umad, issm)]
             spec["devices"].append({"name": SHARED_DEVICE, "containerEdits": {"deviceNodes": [*nodes, rdma_cm]}})
@@ -80,8 +94,12 @@ def qualified(kind: str, name: str) -> str:
     return f"{kind}={name}"
 
 
-def allocation_devices(kind: str, mode: str, nics: Sequence[Nic]) -> tuple[str, ...]:
-    """Fully-qualified CDI device names for an allocation of ``nics``."""
+def allocation_devices(
+    kind: str, mode: str, nics: Sequence[Nic], numa_nodes: Sequence[int] | None = None
+) -> tuple[str, ...]:
+    """Fully-qualified CDI device names for an allocation of ``nics`` (``numa_nodes``: of a -local pool)."""
+    if mode == "shared" and numa_nodes is not None:
+        return tuple(qualified(kind, f"numa{n}") for n in numa_nodes)
     if mode == "shared":
         return (qualified(kind, SHARED_DEVICE),)
     return tuple(qualified(kind, device_name(n)) for n in nics)
@@ -90,18 +108,21 @@ def allocation_devices(kind: str, mode: str, nics: Sequence[Nic]) -> tuple[str, 
 class SpecWriter:
     """Writes one resource's spec into ``cdi_dir`` atomically, only when it changes."""
 
-    def __init__(self, cdi_dir: str, kind: str, mode: str, umad: bool = False, issm: bool = False) -> None:
+    def __init__(
+        self, cdi_dir: str, kind: str, mode: str, umad: bool = False, issm: bool = False, per_numa: bool = False
+    ) -> None:
         self.dir = cdi_dir
         self.kind = kind
         self.mode = mode
         self.umad = umad
         self.issm = issm
+        self.per_numa = per_numa
         self.path = os.path.join(cdi_dir, spec_file_name(kind))
         self._last: dict[str, Any] | None = None
 
     def update(self, nics: Sequence[Nic]) -> bool:
         """Write the spec for ``nics``; True when the file was (re)written."""
-        spec = build_spec(self.kind, self.mode, nics, self.umad, self.issm)
+        spec = build_spec(self.kind, self.mode, nics, self.umad, self.issm, self.per_numa)
         if spec == self._last and os.path.exists(self.path):
             return False
         os.makedirs(self.dir, exist_ok=True)

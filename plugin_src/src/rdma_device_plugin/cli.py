@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     fx.add_argument("--port-state", default="ACTIVE")
     fx.add_argument("--no-ipv6", action="store_true")
     fx.add_argument("--extra-non-mellanox", action="store_true", help="add an Intel irdma NIC")
+    fx.add_argument("--gpus-per-nic", type=int, default=2, help="NVIDIA GPUs under each NIC's PCIe switch")
     _add_logging(fx)
 
     sub.add_parser("config-schema", help="print the config file's JSON schema")
@@ -194,6 +195,7 @@ def _fixture(args: argparse.Namespace) -> int:
             ipv6=not args.no_ipv6,
             port_state=args.port_state,
             extra_non_mellanox=args.extra_non_mellanox,
+            gpus_per_nic=args.gpus_per_nic,
         )
     node = fixtures.write_node(args.root, spec)
     print(json.dumps({"root": node.root, "sysfs": node.sysfs, "procfs": node.procfs, "dev": node.dev}))
@@ -261,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _discover(args)
         if args.command == "fixture":
             return _fixture(args)
-        from .daemon import serve
+        from .supervisor import serve
 
         return serve(args)
     except ConfigError as exc:

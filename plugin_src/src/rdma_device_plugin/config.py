@@ -8,18 +8,17 @@ chart renders this file into its ConfigMap and its tests feed it back through
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from . import sockets
+from .kubeletapi import MAX_MESSAGE_BYTES
 from .node.selectors import MELLANOX_VENDOR, Selectors
 
 CONFIG_VERSION = "v1"
-# The kubelet's gRPC client keeps grpc-go's default receive limit: a bigger ListAndWatch
-# message fails the stream (kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/client.go dial).
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path is 108 bytes with the NUL
 DEFAULT_RESOURCE = "rdma/hca"
 DEFAULT_SHARED_DEVICES = 1000
 MAX_SHARED_DEVICES = 100_000
@@ -51,9 +50,17 @@ def resource_name_problem(name: str) -> str | None:
     return None
 
 
-def socket_name(resource_name: str) -> str:
-    """Socket file name for a resource: rdma/hca -> rdma-dp-rdma_hca.sock."""
-    return "rdma-dp-" + resource_name.replace("/", "_").replace(".", "-") + ".sock"
+NUMA_SUFFIX = "-numa"  # rdma/hca -> rdma/hca-numa0, rdma/hca-numa1, ... (numaPools)
+LOCAL_SUFFIX = "-local"  # rdma/hca -> rdma/hca-local (numaPools)
+_WORST_NUMA = 1023  # the kernel's MAX_NUMNODES is at most 1 << 10: the longest name numaPools can make
+
+
+def numa_resource_name(name: str, numa_node: int) -> str:
+    return f"{name}{NUMA_SUFFIX}{numa_node}"
+
+
+def local_resource_name(name: str) -> str:
+    return f"{name}{LOCAL_SUFFIX}"
 
 
 def _varint_len(n: int) -> int:
@@ -90,13 +97,18 @@ def socket_path_problems(config: PluginConfig, device_plugin_dir: str) -> list[s
     """Socket paths the kernel cannot bind under ``device_plugin_dir``."""
     out = []
     for r in config.resources:
-        path = f"{device_plugin_dir.rstrip('/')}/{socket_name(r.name)}"
-        if len(path.encode()) > MAX_SOCKET_PATH:
-            out.append(
-                f"resources[{r.name}]: socket path {path} is {len(path.encode())} bytes; unix sockets allow "
-                f"{MAX_SOCKET_PATH}: shorten the resource name or the device-plugin dir"
-            )
+        for name in [r.name, *_derived_names(r)]:
+            problem = sockets.path_problem(device_plugin_dir, name)
+            if problem:
+                out.append(f"resources[{r.name}]: {problem}")
     return out
+
+
+def _derived_names(r: ResourceConfig) -> list[str]:
+    """The longest names numaPools makes for ``r`` (none without it)."""
+    if not r.numa_pools:
+        return []
+    return [numa_resource_name(r.name, _WORST_NUMA), local_resource_name(r.name)]
 
 
 class _Strict(BaseModel):
@@ -148,6 +160,12 @@ class ResourceConfig(_Strict):
         description="Shared mode: virtual devices advertised for the pool.",
     )
     selectors: SelectorsConfig = Field(default_factory=SelectorsConfig)
+    numa_pools: bool = Field(
+        False,
+        alias="numaPools",
+        description="Shared mode: also advertise <name>-numa<N> per NUMA node (that node's NICs, its TopologyInfo) "
+        "and <name>-local (the NICs of the NUMA node the Topology Manager aligns with the pod's GPUs).",
+    )
 
     @field_validator("name")
     @classmethod
@@ -228,6 +246,64 @@ class CdiConfig(_Strict):
         return value
 
 
+AF_INET, AF_INET6 = "AF_INET", "AF_INET6"
+
+
+class WorkloadEnvConfig(_Strict):
+    """The env NCCL and UCX read, computed from the NICs each container was allocated (docs/nccl.md)."""
+
+    enabled: bool = Field(
+        True,
+        description="Set NCCL_IB_HCA, the GID choice (NCCL_IB_GID_INDEX, or NCCL_IB_ADDR_FAMILY/"
+        "NCCL_IB_ROCE_VERSION_NUM/NCCL_IB_ADDR_RANGE) and UCX_NET_DEVICES from the allocated NICs.",
+    )
+    addr_family: Literal["auto", "AF_INET", "AF_INET6"] = Field(
+        "auto",
+        alias="addrFamily",
+        description="Address family of the RoCE GID NCCL uses. auto: AF_INET6 with nonHostNetwork (or an IPv6 "
+        "addrRange); else AF_INET where every allocated RoCE NIC has an IPv4 RoCE v2 GID, AF_INET6 where not.",
+    )
+    addr_range: str = Field(
+        "",
+        alias="addrRange",
+        description="CIDR the GID's address must be in (NCCL_IB_ADDR_RANGE), e.g. the pods' IPv6 compute prefix; "
+        "empty: any.",
+    )
+    roce_version: Literal[1, 2] = Field(
+        2, alias="roceVersion", description="RoCE version of the GID NCCL uses (NCCL_IB_ROCE_VERSION_NUM)."
+    )
+    ucx: bool = Field(True, description="Also set UCX_NET_DEVICES (<device>:<port> of every allocated port).")
+
+    @field_validator("addr_range")
+    @classmethod
+    def _cidr(cls, value: str) -> str:
+        if not value:
+            return value
+        if "/" not in value:
+            # NCCL ignores a range without a prefix length (envIbAddrRange)
+            raise ValueError(f"{value!r} has no prefix length; write it as <address>/<bits>, e.g. 2408:4005:300::/56")
+        try:
+            return str(ipaddress.ip_network(value, strict=False))
+        except ValueError as exc:
+            raise ValueError(f"{value!r} is not a CIDR ({exc}); write e.g. 10.0.0.0/8 or 2408:4005:300::/56") from None
+
+    @model_validator(mode="after")
+    def _range_in_family(self) -> WorkloadEnvConfig:
+        given = self.range_family
+        if given is not None and self.addr_family not in ("auto", given):
+            raise ValueError(
+                f"addrRange {self.addr_range} is an {given} range but addrFamily is {self.addr_family} "
+                "(NCCL ignores a range of the other family): make them agree"
+            )
+        return self
+
+    @property
+    def range_family(self) -> str | None:
+        if not self.addr_range:
+            return None
+        return AF_INET if ipaddress.ip_network(self.addr_range).version == 4 else AF_INET6
+
+
 def _check_env(value: dict[str, str]) -> dict[str, str]:
     for name in value:
         if not _ENV_NAME.fullmatch(name):
@@ -258,6 +334,7 @@ class PluginConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict, description="Extra env added to every allocation.")
     non_host_network: NonHostNetworkConfig = Field(default_factory=NonHostNetworkConfig, alias="nonHostNetwork")
     cdi: CdiConfig = Field(default_factory=CdiConfig)
+    workload_env: WorkloadEnvConfig = Field(default_factory=WorkloadEnvConfig, alias="workloadEnv")
 
     @field_validator("env")
     @classmethod
@@ -266,18 +343,47 @@ class PluginConfig(_Strict):
 
     @field_validator("resources")
     @classmethod
+    def _numa_pools_shared_only(cls, value: list[ResourceConfig], info: ValidationInfo) -> list[ResourceConfig]:
+        if info.data.get("mode") == "exclusive":
+            bad = [r.name for r in value if r.numa_pools]
+            if bad:
+                raise ValueError(
+                    f"numaPools of {bad} applies to shared mode only; exclusive mode already gives every NIC its "
+                    "own device with its NUMA node: remove numaPools or use mode: shared"
+                )
+        return value
+
+    @field_validator("resources")
+    @classmethod
     def _unique_names(cls, value: list[ResourceConfig]) -> list[ResourceConfig]:
         names = [r.name for r in value]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"duplicate resource name(s) {dupes}: give every resource its own name")
+        for r in value:
+            for derived in _derived_names(r):
+                problem = resource_name_problem(derived)
+                if problem:
+                    raise ValueError(
+                        f"resource {r.name}: numaPools makes names like {derived}, which {problem}: shorten the name"
+                    )
+            # compared by socket base name: rdma/hca.local would serve rdma/hca-local's sockets
+            numa_base = re.compile(re.escape(sockets.base_name(r.name) + NUMA_SUFFIX) + r"[0-9]+")
+            local_base = sockets.base_name(local_resource_name(r.name))
+            bases = {n: sockets.base_name(n) for n in names if n != r.name}
+            clash = [n for n, b in bases.items() if r.numa_pools and (numa_base.fullmatch(b) or b == local_base)]
+            if clash:
+                raise ValueError(
+                    f"resource name(s) {clash} are (or share a socket name with) names numaPools of {r.name} makes: "
+                    "rename them or turn numaPools off"
+                )
         by_socket: dict[str, list[str]] = {}
         for n in names:
-            by_socket.setdefault(socket_name(n), []).append(n)
+            by_socket.setdefault(sockets.base_name(n), []).append(n)
         for sock, owners in sorted(by_socket.items()):
             if len(owners) > 1:
                 raise ValueError(
-                    f"resource names {owners} map to the same socket file {sock} ('/' and '.' are replaced): "
+                    f"resource names {owners} map to the same socket file name {sock} ('/' and '.' are replaced): "
                     "rename one of them"
                 )
         for r in value:

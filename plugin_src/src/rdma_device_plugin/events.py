@@ -1,10 +1,11 @@
 """Kernel notifications that wake the supervisor loop instead of polling (issue 15).
 
 - :class:`DirWatch`: inotify on the kubelet's device-plugin directory. The kubelet re-creates
-  ``kubelet.sock`` when it restarts and deletes every other socket there
-  (pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go ``Start``: os.RemoveAll of the dir's
-  files, then net.Listen); NVIDIA's k8s-device-plugin watches the same directory with fsnotify
-  for the same reason. It works on the hostPath mount with no privilege.
+  ``kubelet.sock`` when it restarts, after deleting every other non-directory entry but its
+  checkpoint (1.32: manager.go ``CleanupPluginDirectory``, called by plugin/v1beta1/server.go
+  ``Start`` before net.Listen; newer kubelets delete only sockets); NVIDIA's k8s-device-plugin
+  watches the same directory with fsnotify for the same reason. It works on the hostPath mount
+  with no privilege.
 - :class:`LinkEvents`: rtnetlink link notifications (RTMGRP_LINK). A RoCE port's state follows
   its netdev (mlx5 ``mlx5_query_port_roce`` derives ACTIVE/DOWN from the netdev, the bond master in
   a LAG, at every query), so a link message for a selected NIC's netdev is the moment to re-read
@@ -108,10 +109,14 @@ def parse_link_messages(buf: bytes) -> list[tuple[int, int, str]]:
 class DirWatch:
     """inotify watch on one directory; :meth:`drain` says whether anything happened in it."""
 
-    def __init__(self, path: str, mask: int = DIR_EVENTS, names: Iterable[str] | None = None) -> None:
-        # Only these entries matter (None: all); other files in the dir (a status file, a liveness
-        # file) must not wake the loop each time they are written.
+    def __init__(
+        self, path: str, mask: int = DIR_EVENTS, names: Iterable[str] | None = None, prefixes: Iterable[str] = ()
+    ) -> None:
+        # Only these entries matter (names, or names starting with a prefix; neither: all); other
+        # files in the dir (a status file, a liveness file) must not wake the loop each time they
+        # are written.
         self.names = frozenset(names) if names is not None else None
+        self.prefixes = tuple(prefixes)
         libc = ctypes.CDLL(None, use_errno=True)
         fd: int = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         if fd < 0:
@@ -142,8 +147,13 @@ class DirWatch:
             for wd, mask, name in parse_inotify(buf):
                 if (mask & IN_IGNORED and wd == self._wd) or mask & (IN_DELETE_SELF | IN_MOVE_SELF):
                     self.alive = False
-                if not name or self.names is None or name in self.names or mask & IN_Q_OVERFLOW:
+                if not name or self._matches(name) or mask & IN_Q_OVERFLOW:
                     seen = True
+
+    def _matches(self, name: str) -> bool:
+        if self.names is None and not self.prefixes:
+            return True
+        return (self.names is not None and name in self.names) or name.startswith(self.prefixes)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -17,9 +17,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from . import __version__
+from . import __version__, affinity
+from .kubeletapi import HEALTHY, UNHEALTHY
 from .node.sysfs import ACTIVE_STATES, Nic
-from .resources import HEALTHY, UNHEALTHY, ResourcePool
+from .resources import ResourcePool
 from .server import Hooks, LiveStatus
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -68,18 +69,47 @@ class _StateCollector(Collector):
     def _nics(self) -> Iterator[Metric]:
         info = GaugeMetricFamily(
             "rdma_dp_nic_info",
-            'RDMA NIC facts (1): link layer, netdevs, NUMA node ("" when none) and the resource serving it',
-            labels=["nic", "pci_address", "link_layer", "netdev", "numa_node", "resource"],
+            'RDMA NIC facts (1): link layer, netdevs, NUMA node ("" when none), the resource serving it and the '
+            "GPUs (PCI addresses) sharing its PCIe switch, root port or NUMA node (cumulative)",
+            labels=[
+                "nic",
+                "pci_address",
+                "link_layer",
+                "netdev",
+                "numa_node",
+                "resource",
+                "switch_gpus",
+                "root_port_gpus",
+                "numa_gpus",
+            ],
         )
         with self.hooks.lock:
             nics = list(self.hooks.nics)
-        owners = {nic.name: pool.name for pool in self.hooks.pools for nic in pool.present_nics()}
+            gpus = dict(self.hooks.affinity.nics)
+        owners: dict[str, str] = {}
+        for pool in self.hooks.pools:  # numaPools: the NIC's first pool (the configured resource) names it
+            for nic in pool.present_nics():
+                owners.setdefault(nic.name, pool.name)
         for nic in nics:
             layers = sorted({p.link_layer for p in nic.ports if p.link_layer})
             numa = "" if nic.numa_node is None else str(nic.numa_node)
             labels = [nic.name, nic.pci_address, ",".join(layers), ",".join(sorted(nic.netdevs)), numa]
-            info.add_metric([*labels, owners.get(nic.name, "")], 1)
+            info.add_metric([*labels, owners.get(nic.name, ""), *affinity.metric_labels(gpus.get(nic.name))], 1)
         yield info
+        unset = GaugeMetricFamily(
+            "rdma_dp_env_unset",
+            "1 while a variable of the env NCCL reads (workloadEnv) is left unset for a resource's NICs, and why "
+            "(gid_index_differs, no_suitable_gid)",
+            labels=["resource", "variable", "reason"],
+        )
+        for pool in self.hooks.pools:
+            seen = set()
+            for _, env in pool.workload_env():
+                for u in env.unset:
+                    if (u.variable, u.reason) not in seen:
+                        seen.add((u.variable, u.reason))
+                        unset.add_metric([pool.name, u.variable, u.reason], 1)
+        yield unset
 
     def _live(self) -> Iterator[Metric]:
         status = self.hooks.status() if self.hooks.status is not None else None
@@ -93,7 +123,7 @@ class _StateCollector(Collector):
         )
         for pool in self.hooks.pools:
             registered.add_metric([pool.name], 1 if pool.name in status.registered else 0)
-            streams.add_metric([pool.name], 1 if status.streams.get(pool.name, 0) > 0 else 0)
+            streams.add_metric([pool.name], 1 if pool.name in status.kubelet_streams else 0)
         yield registered
         yield streams
         loops = GaugeMetricFamily(
@@ -113,6 +143,7 @@ class MetricsHooks(Hooks):
         self.pools: list[ResourcePool] = []
         self.ports: dict[str, tuple[str, ...] | None] = {}
         self.nics: list[Nic] = []
+        self.affinity = affinity.NodeAffinity({}, (), {})
         self.status: Callable[[], LiveStatus] | None = None
         self._server: Any = None
         self.info = Gauge(
@@ -170,6 +201,10 @@ class MetricsHooks(Hooks):
         with self.lock:
             self.nics = list(nics)
 
+    def affinity_found(self, node: affinity.NodeAffinity) -> None:
+        with self.lock:
+            self.affinity = node
+
     def supervising(self, status: Callable[[], LiveStatus]) -> None:
         self.status = status
 
@@ -184,6 +219,7 @@ class MetricsHooks(Hooks):
         for pool in self.pools:  # make the series exist before the first call
             self.allocations.labels(pool.name, "ok")
             self.allocations.labels(pool.name, "error")
+            self.latency.labels(pool.name)  # the dashboard's Allocate latency panel from the start
             self.registrations.labels(pool.name)
             self.stream_ends.labels(pool.name)
 

@@ -17,19 +17,15 @@ The checks themselves live in :mod:`.node.ipv6checks`, shared with the Ansible r
 :class:`Finding` (the same class), each naming what to fix. The daemon logs them and, with
 ``checks: enforce`` (default), exits with code 3 before serving anything.
 
-Env for non-hostNetwork pods (:func:`default_env`, computed per allocation; any key in
-``env`` or ``nonHostNetwork.env`` of the config overrides it; ``RDMA_DEVICES`` is always
-set by the plugin):
+Env for non-hostNetwork pods (:func:`default_env`; any key in ``env`` or ``nonHostNetwork.env``
+of the config overrides it; ``RDMA_DEVICES`` is always set by the plugin):
 
-- ``NCCL_IB_HCA==<dev>,<dev>``: exactly the RDMA devices this container was allocated
-  (the leading ``=`` makes NCCL match names exactly, so ``mlx5_bond_1`` does not also
-  match ``mlx5_bond_10``); NCCL would otherwise try every device it can see, and in
-  shared netns mode it sees all of the node's.
-- ``NCCL_IB_ADDR_FAMILY=AF_INET6``: NCCL (2.21+) picks the RoCE GID whose address is
-  IPv6, the only kind usable from a pod's own netns on this network.
 - ``NCCL_SOCKET_FAMILY=AF_INET6``: NCCL's bootstrap/socket traffic uses IPv6, the
   compute network's family. A cluster whose pod network is IPv4-only sets
   ``nonHostNetwork.env: {NCCL_SOCKET_FAMILY: AF_INET}`` to override it.
+
+The NICs and the GID (``NCCL_IB_HCA``, ``NCCL_IB_ADDR_FAMILY=AF_INET6``, ...) come from
+:mod:`.nccl_env` (``workloadEnv``), for hostNetwork pods too.
 
 See docs/non-host-network.md.
 """
@@ -58,12 +54,9 @@ def gid_netdev(nic: Nic) -> str:
     return nic.compute_netdevs[0] if nic.compute_netdevs else ""
 
 
-def default_env(rdma_devices: Sequence[str]) -> dict[str, str]:
+def default_env() -> dict[str, str]:
     """Env defaults for IPv6 RoCE workloads in their own netns (see the module docstring)."""
-    env = {"NCCL_IB_ADDR_FAMILY": "AF_INET6", "NCCL_SOCKET_FAMILY": "AF_INET6"}
-    if rdma_devices:
-        env["NCCL_IB_HCA"] = "=" + ",".join(rdma_devices)
-    return env
+    return {"NCCL_SOCKET_FAMILY": "AF_INET6"}
 
 
 def read_and_check(

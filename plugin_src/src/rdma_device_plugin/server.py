@@ -1,44 +1,52 @@
-"""gRPC lifecycle of one resource: serve DevicePlugin on a unix socket, then register.
+"""gRPC of one resource: the DevicePlugin service on a unix socket, and the call to Register.
 
-Order matters (kubelet behaviour 1): the server listens first, then Register is called
-from the supervisor's thread while the server answers the kubelet's GetDevicePluginOptions
-dial-back inside that Register call.
+Every server runs on one asyncio loop (``grpc.aio``) in its own thread, and so does every call to
+the kubelet (``Register``): an open ListAndWatch stream costs a coroutine, not a worker thread, so
+no number of open streams (the kubelet never closes old clients on re-registration) can starve
+Allocate, which the kubelet calls without a deadline; and a kubelet that never answers Register
+holds a coroutine, never the supervisor loop. The loop answers the kubelet's dial-back
+(``GetDevicePluginOptions`` inside ``Register``) while the Register coroutine waits.
 
-Every server runs on one asyncio loop (``grpc.aio``) in its own thread: an open
-ListAndWatch stream costs a coroutine, not a worker thread, so no number of open streams
-(the kubelet never closes old clients on re-registration) can starve Allocate, which the
-kubelet calls without a deadline.
+Each server start binds a socket name of its own (:mod:`.sockets`: per instance and per start), so
+grpc's own unlink of its bound path (at bind and at stop) only ever touches this server's file.
 
-The socket is bound under a temporary name and renamed into place: the rename replaces the
-path atomically (the kubelet never sees it missing), and grpc's own unlink of its bound path
-(at bind and at stop) then never touches a socket another instance put at the real path.
+The kubelet's stream: the kubelet opens exactly one ListAndWatch per registration, on the
+connection it dialled during Register, right after Register (plugin/v1beta1/handler.go
+connectClient starts runClient -> client.go Run). gRPC does not tell a server which connection a
+call came on (``context.peer()`` is ``unix:`` for every unix-socket client), so the plugin takes the
+first ListAndWatch opened after it sent Register as the kubelet's; any other stream (a debugging
+client, grpcurl, a client the kubelet left open) ends with a debug line and nothing else. A client
+that opened a stream in the milliseconds between Register and the kubelet's own call would be taken
+for the kubelet (its end would cost one spare registration).
+
+ListAndWatch messages are serialized once per change of the pool, in the thread that changed it
+(:class:`SnapshotFeed`), and every stream sends the same bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import concurrent.futures
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from .affinity import NodeAffinity
 from .api import deviceplugin_pb2 as pb
 from .api import deviceplugin_pb2_grpc as pb_grpc
+from .kubeletapi import API_VERSION, HEALTHY, KUBELET_SOCKET, MAX_SOCKET_PATH
 from .node.sysfs import Nic
 from .resources import AllocationError, ContainerAllocation, Device, ResourcePool
 
 LOG = logging.getLogger(__name__)
 
-API_VERSION = "v1beta1"
-KUBELET_SOCKET = "kubelet.sock"
-# sockaddr_un.sun_path is 108 bytes including the terminating NUL.
-MAX_SOCKET_PATH = 107
+REGISTER_TIMEOUT_SECONDS = 10.0  # the kubelet's own dial-back waits up to 10 s (client.go dial)
 
 
 def device_message(device: Device) -> Any:
@@ -46,6 +54,12 @@ def device_message(device: Device) -> Any:
     if device.numa_node is not None:
         msg.topology.nodes.add(ID=device.numa_node)
     return msg
+
+
+def encode_snapshot(devices: Sequence[Device]) -> bytes:
+    """A ListAndWatchResponse on the wire."""
+    data: bytes = pb.ListAndWatchResponse(devices=[device_message(d) for d in devices]).SerializeToString()
+    return data
 
 
 def allocation_message(alloc: ContainerAllocation) -> Any:
@@ -63,7 +77,7 @@ class LiveStatus:
 
     loops: Mapping[str, float]  # loop name -> wall time it last completed
     registered: frozenset[str]  # resources registered with the current kubelet
-    streams: Mapping[str, int]  # resource -> ListAndWatch streams open
+    kubelet_streams: frozenset[str]  # resources whose kubelet ListAndWatch stream is open
 
 
 class Hooks:
@@ -83,16 +97,17 @@ class Hooks:
 
     def nics_found(self, nics: Sequence[Nic]) -> None: ...
 
-    def stream_ended(self, resource: str) -> None: ...
+    def affinity_found(self, node: NodeAffinity) -> None:
+        """The GPUs of every served NIC, read at a re-list."""
+
+    def stream_ended(self, resource: str) -> None:
+        """The kubelet's ListAndWatch stream of ``resource`` ended while serving."""
 
     def supervising(self, status: Callable[[], LiveStatus]) -> None: ...
 
 
-_TMP_IDS = itertools.count()
-
-
 class _Loop:
-    """The one asyncio loop every plugin server runs on, in a daemon thread started on first use."""
+    """The one asyncio loop every plugin server and kubelet call runs on, in a daemon thread."""
 
     _lock = threading.Lock()
     _loop: asyncio.AbstractEventLoop | None = None
@@ -116,12 +131,16 @@ class _Loop:
         return grpc.aio.insecure_channel("unix:///dev/null")
 
     @classmethod
+    def submit(cls, coro: Any) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, cls.get())
+
+    @classmethod
     def run(cls, coro: Any, timeout: float = 30.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, cls.get()).result(timeout)
+        return cls.submit(coro).result(timeout)
 
 
-class _Changes:
-    """Wakes every stream of a pool when its devices change (the pool calls ``notify`` from any thread)."""
+class _Wake:
+    """Wakes the streams of one server on the loop (``notify`` is safe from any thread)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -135,40 +154,105 @@ class _Changes:
         event.set()
 
 
+class SnapshotFeed:
+    """A pool's ListAndWatch message, serialized once per change for every stream of every server.
+
+    The pool's first listener: it encodes in the thread that changed the pool (the supervisor's),
+    outside the pool's lock, before the servers' listeners wake their streams, which only send the
+    bytes. One per pool, for the life of the process (servers come and go)."""
+
+    def __init__(self, pool: ResourcePool) -> None:
+        self.pool = pool
+        self._lock = threading.Lock()
+        self._version = -1
+        self._data = b""
+        self._healthy = 0
+        # The last two device lists and their messages: a port that flips back and forth (shared
+        # mode: the pool's all-Healthy and all-Unhealthy lists) is encoded once per state.
+        self._encoded: list[tuple[tuple[Device, ...], bytes, int]] = []
+        pool.add_listener(self.changed)
+
+    def current(self) -> tuple[int, bytes]:
+        """(version, message bytes) of the pool's devices now."""
+        version, devices = self.pool.snapshot()
+        with self._lock:
+            if version != self._version:
+                found = next((e for e in self._encoded if e[0] == devices), None)
+                if found is None:
+                    healthy = sum(1 for d in devices if d.health == HEALTHY)
+                    found = (devices, encode_snapshot(devices), healthy)
+                    self._encoded = [found, *self._encoded[:1]]
+                _, self._data, self._healthy = found
+                self._version = version
+            return self._version, self._data
+
+    def healthy(self) -> int:
+        """Healthy devices in the message :meth:`current` last returned."""
+        return self._healthy
+
+    def changed(self) -> None:
+        self.current()
+
+
+# A stream event for the supervisor: (resource, server, what) with what one of
+# "kubelet opened", "kubelet ended", "other ended".
+StreamEvent = Callable[[str, "PluginServer", str], None]
+
+
+def _user_agent(context: Any) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "user-agent":
+            return str(value)
+    return ""
+
+
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
     def __init__(
         self,
         pool: ResourcePool,
+        feed: SnapshotFeed,
+        wake: _Wake,
         hooks: Hooks | None = None,
-        changes: _Changes | None = None,
-        on_stream_end: Callable[[str], None] | None = None,
+        on_stream: Callable[[str], None] | None = None,
     ) -> None:
         self.pool = pool
+        self.feed = feed
+        self.wake = wake
         self.hooks = hooks or Hooks()
-        self.changes = changes
-        self.on_stream_end = on_stream_end
+        self.on_stream = on_stream  # "kubelet opened", "kubelet ended", "other ended"
         self.stopping = False
-        self.streams = 0  # open ListAndWatch streams
-        # The pool hands out the same ContainerAllocation objects until its NICs change (shared
-        # mode: one for every pod), so the whole AllocateResponse is built once per combination
-        # and reused: keyed by the allocations' identities, which are kept alive in the entry so
-        # an id is never reused while it is a key. Read-only once built (grpc only serializes it).
-        # Emptied when the pool drops its allocations, so answers of replaced NIC sets are not kept.
-        self._responses: dict[tuple[int, ...], tuple[tuple[ContainerAllocation, ...], Any]] = {}
+        self.streams = 0  # open ListAndWatch streams, the kubelet's and others'
+        self._expect_kubelet = False  # the next stream is the kubelet's (Register was sent)
+        self._kubelet_stream: object | None = None  # the kubelet's open stream
+        # The AllocateResponse of each answer (pool.allocation_key per container), built once and
+        # reused until the pool drops its allocations (allocations_version). Read-only once built.
+        self._responses: dict[tuple[tuple[str, ...], ...], Any] = {}
         self._responses_version = pool.allocations_version
 
-    def _response(self, allocs: tuple[ContainerAllocation, ...]) -> Any:
+    @property
+    def kubelet_stream_open(self) -> bool:
+        return self._kubelet_stream is not None
+
+    def expect_kubelet(self, on: bool = True) -> None:
+        """Register is being sent (on: the next stream opened is the kubelet's, and a stream of an
+        earlier registration no longer is) or failed (off)."""
+        self._expect_kubelet = on
+        if on:
+            self._kubelet_stream = None
+
+    def _response(self, requests: Sequence[Sequence[str]]) -> Any:
+        allocs = [self.pool.allocate(ids) for ids in requests]  # validates the IDs every time
         if self._responses_version != self.pool.allocations_version:
             self._responses.clear()
             self._responses_version = self.pool.allocations_version
-        key = tuple(map(id, allocs))
-        entry = self._responses.get(key)
-        if entry is not None and all(a is b for a, b in zip(entry[0], allocs, strict=True)):
-            return entry[1]
+        key = tuple(self.pool.allocation_key(ids) for ids in requests)
+        response = self._responses.get(key)
+        if response is not None:
+            return response
         if len(self._responses) >= 4096:  # bounded: a node has a handful of NICs
             self._responses.clear()
         response = pb.AllocateResponse(container_responses=[allocation_message(a) for a in allocs])
-        self._responses[key] = (allocs, response)
+        self._responses[key] = response
         # Once per new answer, not per call (the kubelet logs every allocation itself; a log line
         # per call cost more than building the answer, issue 11): what this resource hands out now.
         LOG.info(
@@ -183,45 +267,61 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
             get_preferred_allocation_available=self.pool.mode == "exclusive",
         )
 
-    async def ListAndWatch(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        assert self.changes is not None
-        version, devices = self.pool.snapshot()
+    async def ListAndWatch(self, request: Any, context: Any) -> AsyncIterator[bytes]:
+        me = object()
+        kubelet = self._expect_kubelet
+        if kubelet:
+            self._expect_kubelet = False
+            self._kubelet_stream = me
         self.streams += 1
-        LOG.info("ListAndWatch opened", extra={"resource": self.pool.name, "devices": len(devices)})
+        version, data = self.feed.current()
+        LOG.info(
+            "ListAndWatch opened",
+            extra={"resource": self.pool.name, "kubelet": kubelet, "client": _user_agent(context)},
+        )
+        if kubelet and self.on_stream is not None:
+            self.on_stream("kubelet opened")
         try:
-            yield pb.ListAndWatchResponse(devices=[device_message(d) for d in devices])
-            while not self.stopping:
-                event = self.changes.event
-                if self.pool.closed:
-                    return
-                new_version, devices = self.pool.snapshot()
+            yield data
+            while not self.stopping and not self.pool.closed:
+                event = self.wake.event
+                new_version, data = self.feed.current()
                 if new_version == version:
                     await event.wait()
                     continue
                 version = new_version
-                healthy = sum(1 for d in devices if d.health == "Healthy")
                 LOG.info(
                     "sending snapshot",
-                    extra={"resource": self.pool.name, "devices": len(devices), "healthy": healthy},
+                    extra={"resource": self.pool.name, "healthy": self.feed.healthy(), "bytes": len(data)},
                 )
-                yield pb.ListAndWatchResponse(devices=[device_message(d) for d in devices])
+                yield data
         finally:
             self.streams -= 1
-            if not self.stopping and not self.pool.closed and self.on_stream_end is not None:
-                self.on_stream_end(self.pool.name)
+            ours = self._kubelet_stream is me
+            if ours:
+                self._kubelet_stream = None
+            if not self.stopping and not self.pool.closed:
+                if ours:
+                    if self.on_stream is not None:
+                        self.on_stream("kubelet ended")
+                else:
+                    LOG.debug(
+                        "a ListAndWatch stream of another client ended",
+                        extra={"resource": self.pool.name, "client": _user_agent(context)},
+                    )
+                    if self.on_stream is not None:
+                        self.on_stream("other ended")
 
     async def Allocate(self, request: Any, context: Any) -> Any:
         start = time.perf_counter()
         try:
-            allocs = tuple(self.pool.allocate(list(creq.devices_ids)) for creq in request.container_requests)
+            response = self._response([list(creq.devices_ids) for creq in request.container_requests])
         except AllocationError as exc:
             self.hooks.allocated(self.pool.name, time.perf_counter() - start, False)
             LOG.warning("Allocate refused: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        response = self._response(allocs)
         if LOG.isEnabledFor(logging.DEBUG):  # per call: only at --log-level debug
-            nics = ";".join(",".join(a.nics) for a in allocs)
-            LOG.debug("allocated", extra={"resource": self.pool.name, "containers": len(allocs), "nics": nics})
+            LOG.debug("allocated", extra={"resource": self.pool.name, "containers": len(request.container_requests)})
         self.hooks.allocated(self.pool.name, time.perf_counter() - start, True)
         return response
 
@@ -238,23 +338,44 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         return pb.PreStartContainerResponse()
 
 
+def _method_handlers(servicer: DevicePluginServicer) -> Any:
+    """The generated service table, with ListAndWatch sending pre-serialized bytes (SnapshotFeed)."""
+
+    class _Capture:
+        handlers: dict[str, Any] = {}
+
+        def add_generic_rpc_handlers(self, handlers: Any) -> None: ...
+
+        def add_registered_method_handlers(self, name: str, handlers: dict[str, Any]) -> None:
+            self.handlers = dict(handlers)
+
+    capture = _Capture()
+    pb_grpc.add_DevicePluginServicer_to_server(servicer, capture)
+    capture.handlers["ListAndWatch"] = grpc.unary_stream_rpc_method_handler(
+        servicer.ListAndWatch, request_deserializer=pb.Empty.FromString, response_serializer=None
+    )
+    return capture.handlers
+
+
 class PluginServer:
-    """One resource's gRPC server bound to ``<device_plugin_dir>/<socket_name>``."""
+    """One resource's gRPC server on ``<device_plugin_dir>/<socket_name>`` (a name used once)."""
 
     def __init__(
         self,
         pool: ResourcePool,
+        feed: SnapshotFeed,
         device_plugin_dir: str,
         socket_name: str,
         hooks: Hooks | None = None,
-        on_stream_end: Callable[[str], None] | None = None,
+        on_stream: StreamEvent | None = None,
     ):
         self.pool = pool
+        self.feed = feed
         self.dir = device_plugin_dir
         self.socket_name = socket_name
         self.path = os.path.join(device_plugin_dir, socket_name)
         self.hooks = hooks or Hooks()
-        self.on_stream_end = on_stream_end
+        self.on_stream = on_stream
         self._server: grpc.aio.Server | None = None
         self._servicer: DevicePluginServicer | None = None
         self._inode: int | None = None
@@ -264,83 +385,115 @@ class PluginServer:
         return self._server is not None
 
     def start(self) -> None:
-        """Bind under a temporary name, then rename over the path (replacing a stale socket)."""
-        if len(self.path) > MAX_SOCKET_PATH:
+        """Bind and listen (raises OSError when the path cannot be bound)."""
+        if len(self.path.encode()) > MAX_SOCKET_PATH:
             raise OSError(f"socket path {self.path} is {len(self.path)} bytes; unix sockets allow {MAX_SOCKET_PATH}")
-        tmp = os.path.join(self.dir, f".{os.getpid()}.{next(_TMP_IDS)}")  # shorter than any socket name
+        if not os.path.isdir(self.dir):
+            raise OSError(f"the device-plugin dir {self.dir} does not exist")
         loop = _Loop.get()
-        changes = _Changes(loop)
-        servicer = DevicePluginServicer(self.pool, self.hooks, changes, self.on_stream_end)
+        wake = _Wake(loop)
+
+        def stream_event(what: str) -> None:
+            if self.on_stream is not None:
+                self.on_stream(self.pool.name, self, what)
+
+        servicer = DevicePluginServicer(self.pool, self.feed, wake, self.hooks, stream_event)
+        handlers = _method_handlers(servicer)
 
         async def start() -> grpc.aio.Server:
             server = grpc.aio.server()
-            pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
-            server.add_insecure_port(f"unix://{tmp}")
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("v1beta1.DevicePlugin", handlers),))
+            server.add_insecure_port(f"unix://{self.path}")
             await server.start()
             return server
 
-        if not os.path.isdir(self.dir):
-            raise OSError(f"the device-plugin dir {self.dir} does not exist")
         try:
             server = _Loop.run(start())
         except RuntimeError as exc:  # grpc: "Failed to bind to address ..." (read-only or vanished dir)
             raise OSError(f"cannot bind a unix socket in {self.dir}: {exc}") from None
         try:
-            os.rename(tmp, self.path)
-            self._inode = os.stat(self.path).st_ino
+            self._inode = os.lstat(self.path).st_ino
         except OSError:
             _Loop.run(server.stop(0))
             raise
-        self.pool.add_listener(changes.notify)
+        self.pool.add_listener(wake.notify)  # after the feed's: the message is encoded when streams wake
         self._server, self._servicer = server, servicer
         LOG.info("serving", extra={"resource": self.pool.name, "socket": self.path})
 
-    def state(self) -> str:
-        """ "ours", "missing" (deleted: a kubelet restart) or "replaced" (another instance's socket)."""
+    def present(self) -> bool:
+        """False once the kubelet (or another instance taking over) removed our socket file."""
         try:
-            st = os.stat(self.path)
+            return os.lstat(self.path).st_ino == self._inode
         except FileNotFoundError:
-            return "missing"
-        return "ours" if self._server is not None and st.st_ino == self._inode else "replaced"
-
-    def alive(self) -> bool:
-        """False once the kubelet (or anyone) deleted or replaced our socket file."""
-        return self.state() == "ours"
+            return False
 
     def open_streams(self) -> int:
         return self._servicer.streams if self._servicer is not None else 0
 
-    def stop(self, grace: float = 0.5) -> None:
+    @property
+    def kubelet_stream_open(self) -> bool:
+        return self._servicer is not None and self._servicer.kubelet_stream_open
+
+    async def stop_async(self, grace: float = 0.5) -> None:
+        """Stop serving (on the loop): streams end, the socket file goes."""
         server, self._server = self._server, None
         servicer, self._servicer = self._servicer, None
         if server is None:
             return
         if servicer is not None:
             servicer.stopping = True
-            if servicer.changes is not None:
-                self.pool.remove_listener(servicer.changes.notify)
-                servicer.changes.notify()  # wake its streams so they end
-        # grpc unlinks only its bound (temporary) path; the real path only if it is still ours.
-        _Loop.run(server.stop(grace), timeout=grace + 10.0)
+            self.pool.remove_listener(servicer.wake.notify)
+            servicer.wake.notify()  # wake its streams so they end
+        await server.stop(grace)
         try:
-            if os.stat(self.path).st_ino == self._inode:
-                os.unlink(self.path)
+            if os.lstat(self.path).st_ino == self._inode:
+                os.unlink(self.path)  # grpc normally has; never a file that is not ours
         except FileNotFoundError:
             pass
 
-    def register(self, timeout: float = 10.0) -> None:
-        """Register with the kubelet; raises grpc.RpcError or OSError on failure."""
+    def stop(self, grace: float = 0.5) -> None:
+        _Loop.run(self.stop_async(grace), timeout=grace + 10.0)
+
+    def stop_soon(self, grace: float = 0.5) -> concurrent.futures.Future[None]:
+        """Stop on the loop without waiting for it (an Allocate in flight gets its grace there)."""
+        return _Loop.submit(self.stop_async(grace))
+
+    def register(self, timeout: float = REGISTER_TIMEOUT_SECONDS) -> concurrent.futures.Future[None]:
+        """Send Register on the loop; the future fails with grpc.RpcError or OSError."""
+        return _Loop.submit(self._register(timeout))
+
+    async def _register(self, timeout: float) -> None:
+        servicer = self._servicer
+        if servicer is None:
+            raise OSError(f"{self.path} is not being served")
+        servicer.expect_kubelet()
         kubelet = os.path.join(self.dir, KUBELET_SOCKET)
-        with grpc.insecure_channel(f"unix://{kubelet}") as channel:
-            stub = pb_grpc.RegistrationStub(channel)
-            stub.Register(
-                pb.RegisterRequest(
-                    version=API_VERSION,
-                    endpoint=self.socket_name,
-                    resource_name=self.pool.name,
-                    options=pb.DevicePluginOptions(get_preferred_allocation_available=self.pool.mode == "exclusive"),
-                ),
-                timeout=timeout,
-            )
+        request = pb.RegisterRequest(
+            version=API_VERSION,
+            endpoint=self.socket_name,
+            resource_name=self.pool.name,
+            options=pb.DevicePluginOptions(get_preferred_allocation_available=self.pool.mode == "exclusive"),
+        )
+        try:
+            # A connection of its own: never a subchannel backing off after the kubelet restarted.
+            options = [("grpc.use_local_subchannel_pool", 1)]
+            async with grpc.aio.insecure_channel(f"unix://{kubelet}", options=options) as channel:
+                await pb_grpc.RegistrationStub(channel).Register(request, timeout=timeout)
+        except BaseException:
+            servicer.expect_kubelet(False)
+            raise
         self.hooks.registered(self.pool.name)
         LOG.info("registered with kubelet", extra={"resource": self.pool.name, "endpoint": self.socket_name})
+
+
+def stop_all(
+    servers: Iterable[PluginServer], stopping: Iterable[concurrent.futures.Future[None]] = (), grace: float = 0.5
+) -> None:
+    """Stop servers together, and let the ones already stopping finish: the exit takes one grace
+    period, not one per resource."""
+
+    async def stop() -> None:
+        await asyncio.gather(*(s.stop_async(grace) for s in servers))
+
+    _Loop.run(stop(), timeout=grace + 10.0)
+    concurrent.futures.wait(list(stopping), timeout=grace + 1.0)

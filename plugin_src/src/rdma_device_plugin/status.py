@@ -3,10 +3,11 @@
 :class:`StatusFileHooks` is a ``server.Hooks`` observer (wrapping any other, e.g. metrics) that
 rewrites ``--status-file`` atomically whenever what it shows changes (default
 ``<device-plugin-dir>/rdma-device-plugin/status.json``: the DaemonSet already mounts that dir
-read-write, and a kubelet restart empties it of files but keeps subdirectories, see
-kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go, server.removeContents):
+read-write, and a kubelet restart deletes the dir's files but keeps its subdirectories, see
+kubernetes pkg/kubelet/cm/devicemanager/manager.go, CleanupPluginDirectory):
 mode, each resource's capacity and allocatable (devices, healthy devices: what the kubelet
-reports), each NIC with port states, netdevs, NUMA node, health and why, and the last
+reports), each NIC with port states, netdevs, NUMA node, health and why, the GID NCCL uses and its
+GPUs (switch, root port, NUMA node), the env a pod gets per resource (and what is left unset), and the last
 allocations. ``rdma-device-plugin status`` prints it (:func:`render`).
 
 The hooks fire on the supervisor and gRPC threads once the pools applied a change, so the file
@@ -28,8 +29,10 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .node.sysfs import ACTIVE_STATES, Nic
-from .resources import HEALTHY, ResourcePool
+from .affinity import NodeAffinity
+from .kubeletapi import HEALTHY, UNHEALTHY
+from .node.sysfs import Nic
+from .resources import ResourcePool
 from .server import Hooks, LiveStatus
 
 STATUS_FILE = os.path.join("rdma-device-plugin", "status.json")
@@ -45,43 +48,47 @@ def default_status_file(device_plugin_dir: str) -> str:
     return os.path.join(device_plugin_dir, STATUS_FILE)
 
 
-def nic_health(present: bool, ports: Sequence[str], uverbs: bool) -> tuple[bool, str]:
-    """(healthy, why): the same rule the pools apply (resources.NicHealth + a present uverbs node)."""
-    if not present:
-        return False, "NIC gone from sysfs"
-    bad = [f"port {i} {state}" for i, state in enumerate(ports, 1) if state not in ACTIVE_STATES]
-    if not ports:
-        return False, "no ports"
-    if bad:
-        return False, ", ".join(bad) + " (not ACTIVE)"
-    if not uverbs:
-        return False, "no uverbs character device"
-    return True, ""
-
-
 def snapshot(
-    pools: Sequence[ResourcePool], states: Mapping[str, tuple[str, ...] | None], allocations: Sequence[dict[str, Any]]
+    pools: Sequence[ResourcePool],
+    states: Mapping[str, tuple[str, ...] | None],
+    allocations: Sequence[dict[str, Any]],
+    node_affinity: NodeAffinity | None = None,
 ) -> dict[str, Any]:
+    """The status document: each NIC's health and why come from its pool (the one rule, health.py);
+    each resource's env is what a pod gets from its present NICs (workloadEnv) and what it leaves
+    unset; each NIC's GID is the one NCCL uses for that env, its GPUs those of affinity.py."""
     resources, nics = [], {}
+    gpus = node_affinity.nics if node_affinity is not None else {}
     for pool in pools:
         _, devices = pool.snapshot()
         healthy = sum(1 for d in devices if d.health == HEALTHY)
-        resources.append({"name": pool.name, "capacity": len(devices), "allocatable": healthy})
+        env = [
+            {
+                "scope": scope,
+                "env": dict(sorted(found.env.items())),
+                "unset": [{"variable": u.variable, "reason": u.reason, "detail": u.detail} for u in found.unset],
+            }
+            for scope, found in pool.workload_env()
+        ]
+        resources.append({"name": pool.name, "capacity": len(devices), "allocatable": healthy, "env": env})
         present = {n.name: n for n in pool.present_nics()}
         for summary in pool.nic_summary():
             name = str(summary["name"])
+            if name in nics:  # numaPools: the NIC's first pool (the configured resource) names it
+                continue
             nic = present.get(name)
-            ports = states.get(name) or (tuple(p.state for p in nic.ports) if nic else ())
-            ok, why = nic_health(nic is not None, ports, bool(nic and nic.uverbs and nic.uverbs.present))
+            found_gpus = gpus.get(name)
             nics[name] = {
                 "name": name,
                 "resource": pool.name,
                 "pci_address": summary["pci_address"],
                 "netdevs": list(nic.netdevs) if nic else [],
                 "numa_node": summary["numa_node"],
-                "ports": list(ports),
-                "healthy": ok,
-                "why": why,
+                "ports": list(states.get(name) or summary["ports"]),  # type: ignore[call-overload]
+                "healthy": summary["healthy"],
+                "why": summary["why"],
+                "gid": summary["gid"],
+                "gpus": found_gpus.to_dict() if found_gpus is not None else None,
             }
     return {
         "mode": pools[0].mode if pools else None,
@@ -98,6 +105,7 @@ class StatusFileHooks(Hooks):
         self.interval = interval
         self.pools: Sequence[ResourcePool] = ()
         self.states: dict[str, tuple[str, ...] | None] = {}
+        self.affinity: NodeAffinity | None = None
         # (unix time, resource, ok, seconds): the Allocate hook only appends; the writer formats.
         self.allocations: deque[tuple[float, str, bool, float]] = deque(maxlen=LAST_ALLOCATIONS)
         self._lock = threading.Lock()
@@ -121,7 +129,7 @@ class StatusFileHooks(Hooks):
 
     def kubelet_restarted(self) -> None:
         self.inner.kubelet_restarted()
-        self._wake.set()  # the kubelet emptied its dir (removeContents): make sure the file is still there
+        self._wake.set()  # the kubelet cleaned its dir (CleanupPluginDirectory): make sure the file is still there
 
     def rediscovered(self) -> None:
         self.inner.rediscovered()
@@ -136,6 +144,11 @@ class StatusFileHooks(Hooks):
     def pools_ready(self, pools: Sequence[ResourcePool]) -> None:
         self.inner.pools_ready(pools)
         self.pools = pools
+        self._wake.set()
+
+    def affinity_found(self, node: NodeAffinity) -> None:
+        self.inner.affinity_found(node)
+        self.affinity = node
         self._wake.set()
 
     # Observed only by the wrapped hooks (metrics); forwarded so that wrapping loses nothing.
@@ -156,7 +169,7 @@ class StatusFileHooks(Hooks):
             {"time": _utc(at), "resource": resource, "ok": ok, "ms": round(seconds * 1000, 3)}
             for at, resource, ok, seconds in list(self.allocations)  # one C-level copy: atomic under the GIL
         ]
-        doc = snapshot(self.pools, states, allocations)
+        doc = snapshot(self.pools, states, allocations, self.affinity)
         if doc == self._written and os.path.exists(self.path):
             return
         directory = os.path.dirname(self.path) or "."
@@ -199,13 +212,23 @@ class StatusFileHooks(Hooks):
             os.rmdir(os.path.dirname(self.path))  # and no empty directory in the kubelet's dir
 
 
+def _gpus(counts: Mapping[str, Sequence[str]] | None) -> str:
+    """``2/2/4``: the NIC's GPUs under its switch / root port / NUMA node (cumulative)."""
+    if counts is None:
+        return "-"
+    return "/".join(str(len(counts.get(level, ()))) for level in ("switch", "root_port", "numa"))
+
+
 def render(doc: Mapping[str, Any]) -> str:
-    """The status file as text: result first (mode, resources), then NICs, then allocations."""
+    """The status file as text: result first (mode, resources), then NICs, the env a pod gets, and
+    the allocations."""
     lines = [f"mode: {doc.get('mode')}    (status written {doc.get('updated', '?')})"]
     for r in doc.get("resources", []):
         flag = "" if r["allocatable"] == r["capacity"] else "   <- NIC(s) unhealthy, see below"
+        unset = any(e["unset"] for e in r.get("env", []))
+        flag += "   <- env left unset, see below" if unset else ""
         lines.append(f"{r['name']}: capacity {r['capacity']}, allocatable {r['allocatable']}{flag}")
-    rows = [("NIC", "PCI", "NETDEVS", "NUMA", "PORTS", "HEALTH", "WHY")]
+    rows = [("NIC", "PCI", "NETDEVS", "NUMA", "PORTS", "HEALTH", "WHY", "NCCL GID", "GPUS sw/rp/numa")]
     for n in doc.get("nics", []):
         rows.append(
             (
@@ -214,13 +237,21 @@ def render(doc: Mapping[str, Any]) -> str:
                 ",".join(n["netdevs"]) or "-",
                 "-" if n["numa_node"] is None else str(n["numa_node"]),
                 ",".join(n["ports"]) or "-",
-                "Healthy" if n["healthy"] else "Unhealthy",
+                HEALTHY if n["healthy"] else UNHEALTHY,
                 n["why"] or "-",
+                n.get("gid") or "-",
+                _gpus(n.get("gpus")),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines.append("")
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    for r in doc.get("resources", []):
+        for e in r.get("env", []):
+            lines.append("")
+            lines.append(f"env a pod gets ({r['name']}{', ' + e['scope'] if e['scope'] else ''}):")
+            lines += [f"  {k}={v}" for k, v in e["env"].items()]
+            lines += [f"  unset {u['variable']} ({u['reason']}): {u['detail']}" for u in e["unset"]]
     allocs = doc.get("allocations", [])
     lines.append("")
     lines.append("last allocations:" if allocs else "last allocations: none since the plugin started")

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 BACKOFF_INITIAL_SECONDS = 0.5
 BACKOFF_MAX_SECONDS = 5.0
+# A stream end this long after the previous one is a first: registered again at once. Closer ones
+# are repeats (a kubelet that keeps cutting): they back off.
+REPEAT_SECONDS = 10.0
 
 
 @dataclass
@@ -19,6 +22,7 @@ class Backoff:
     delay: float = BACKOFF_INITIAL_SECONDS
     next_at: float = 0.0
     failures: int = 0
+    last_cut: float = float("-inf")  # when the kubelet last ended the stream (monotonic)
 
     def due(self, now: float) -> bool:
         return now >= self.next_at
@@ -28,16 +32,21 @@ class Backoff:
         self.next_at = now + self.delay
         self.delay = min(self.delay * 2, BACKOFF_MAX_SECONDS)
 
-    def wait_then_retry(self, now: float) -> None:
-        """Schedule the next attempt one step of backoff from now (a stream that just ended)."""
-        self.next_at = now + self.delay
-        self.delay = min(self.delay * 2, BACKOFF_MAX_SECONDS)
+    def cut(self, now: float) -> float:
+        """The kubelet ended the stream: the next attempt at once the first time, one step of
+        backoff when it happens again within REPEAT_SECONDS. Returns the wait."""
+        if now - self.last_cut > REPEAT_SECONDS:
+            self.delay = BACKOFF_INITIAL_SECONDS
+            self.next_at = now
+        else:
+            self.next_at = now + self.delay
+            self.delay = min(self.delay * 2, BACKOFF_MAX_SECONDS)
+        self.last_cut = now
+        return self.next_at - now
 
     def succeeded(self) -> None:
+        """Done: the next attempt (when there is one) may run at once, with a fresh delay."""
         self.delay, self.next_at, self.failures = BACKOFF_INITIAL_SECONDS, 0.0, 0
-
-    def now_please(self) -> None:
-        self.succeeded()
 
 
 @dataclass

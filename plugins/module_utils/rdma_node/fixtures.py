@@ -7,7 +7,16 @@ and the local default point every reader at a tree written here. The layout foll
 found through ``ibdev`` files and their numbering deliberately does not follow the RDMA
 device numbering. Standard library only.
 
-A fixture root holds ``sys/``, ``proc/`` and ``dev/``.
+A fixture root holds ``sys/``, ``proc/`` and ``dev/``, and the few host files the node-health
+checks read (``etc/systemd``, ``usr/lib/systemd``). Beside the RDMA NICs it holds what those
+checks look at, each with a field that sets its fault: the PCIe tree (host bridge -> root port ->
+switch upstream port -> downstream ports -> GPUs and NIC, link speed and width on every device),
+NVIDIA GPUs, netdev MTU/operstate/carrier, Linux bonds (sysfs ``bonding/`` and
+``/proc/net/bonding/<bond>``), MLNX_OFED's ``qos/trust`` and ``ecn/`` files, port counters, the
+NVIDIA driver and peer-memory modules, and the container runtime's process limits and unit.
+Where the fixture still differs from a node: DCB (PFC) lives in the kernel, not in files, so it
+is read only from a real node; counters do not move unless :meth:`FixtureNode.bump_counter` /
+:meth:`FixtureNode.flap_netdev` move them.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +35,56 @@ from .sysfs import PHYS_STATES, PORT_STATES
 DEFAULT_MODULES = ("mlx5_core", "mlx5_ib", "ib_core", "ib_uverbs", "rdma_ucm")
 _STATE_CODES = {v: k for k, v in PORT_STATES.items()}
 _PHYS_CODES = {v: k for k, v in PHYS_STATES.items()}
+GEN5 = "32.0 GT/s PCIe"
+# bond_options.c: mode name -> (number, bond_mode_name() words)
+BOND_MODES = {
+    "balance-rr": (0, "load balancing (round-robin)"),
+    "active-backup": (1, "fault-tolerance (active-backup)"),
+    "balance-xor": (2, "load balancing (xor)"),
+    "broadcast": (3, "fault-tolerance (broadcast)"),
+    "802.3ad": (4, "IEEE 802.3ad Dynamic link aggregation"),
+    "balance-tlb": (5, "transmit load balancing"),
+    "balance-alb": (6, "adaptive load balancing"),
+}
+# The port counters mlx5 shows under ports/<n>/counters/ (the rest of NicSpec.counters go to hw_counters/)
+PORT_COUNTERS = (
+    "VL15_dropped",
+    "excessive_buffer_overrun_errors",
+    "link_downed",
+    "link_error_recovery",
+    "local_link_integrity_errors",
+    "port_rcv_constraint_errors",
+    "port_rcv_data",
+    "port_rcv_errors",
+    "port_rcv_packets",
+    "port_rcv_remote_physical_errors",
+    "port_rcv_switch_relay_errors",
+    "port_xmit_constraint_errors",
+    "port_xmit_data",
+    "port_xmit_discards",
+    "port_xmit_packets",
+    "port_xmit_wait",
+    "symbol_error",
+)
+HW_COUNTERS = (
+    "duplicate_request",
+    "implied_nak_seq_err",
+    "local_ack_timeout_err",
+    "np_cnp_sent",
+    "np_ecn_marked_roce_packets",
+    "out_of_buffer",
+    "out_of_sequence",
+    "packet_seq_err",
+    "req_cqe_error",
+    "rnr_nak_retry_err",
+    "roce_slow_restart",
+    "rp_cnp_handled",
+    "rp_cnp_ignored",
+)
+LACP_IN_SYNC = 0x3D  # activity, aggregation, sync, collecting, distributing (slow rate)
+LACP_DEFAULTED = 0x41  # activity, defaulted: no LACPDU from the partner
+ROOT_PORT_ID = ("8086", "352a")
+SWITCH_PORT_ID = ("1000", "c030")
 
 
 @dataclass(frozen=True)
@@ -53,11 +112,40 @@ class NicSpec:
     ipv6: tuple[str, ...] = ()  # global addresses "2408:4000::11/64" on the IP netdev
     roce_v2_ipv6_gid: bool = True  # False: the IPv6 address has no RoCE v2 GID
     char_device: bool = True  # False: /dev/infiniband/uverbsN missing
+    ipv4: tuple[str, ...] = ()  # addresses "10.0.0.11" carried by RoCE v1/v2 GIDs (IPv4-mapped)
+    # PCIe: the bridges above the NIC (host bridge first; () = pci0000:00/0000:00:<bus % 32>.0)
+    pcie_path: tuple[str, ...] = ()
+    pcie_speed: str = GEN5  # current_link_speed ("Unknown" for a link that is down)
+    pcie_width: int = 16
+    pcie_max_speed: str = GEN5
+    pcie_max_width: int = 16
+    mtu: int = 4200  # every netdev of the NIC (and its bond)
+    members_down: tuple[str, ...] = ()  # netdevs with no carrier (bond members: MII down too)
+    bond_mode: str = "802.3ad"
+    lacp_churned: tuple[str, ...] = ()  # bond members whose LACP partner sends nothing
+    trust: str = "dscp"  # qos/trust (MLNX_OFED); "" = no such file (upstream mlx5)
+    ecn: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7)  # priorities with RoCE ECN on (np and rp)
+    ecn_sysfs: bool = True  # False: no ecn/ directory (upstream mlx5)
+    counters: Mapping[str, int] = field(default_factory=dict)  # port counters that are not 0
 
     @property
     def ip_netdev(self) -> str:
         """The netdev that carries the IP addresses and owns the GIDs."""
         return self.bond or self.netdevs[0]
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One NVIDIA GPU (an H800-class GH100 by default), idle: its link speed is down to Gen1."""
+
+    address: str
+    numa_node: int = 0
+    pcie_path: tuple[str, ...] = ()  # as NicSpec.pcie_path
+    device_id: str = "2324"
+    pcie_speed: str = "2.5 GT/s PCIe"
+    pcie_width: int = 16
+    pcie_max_speed: str = GEN5
+    pcie_max_width: int = 16
 
 
 @dataclass(frozen=True)
@@ -69,12 +157,21 @@ class NodeSpec:
     ipv6_disabled: tuple[str, ...] = ()  # netdevs with disable_ipv6=1 ("all" for every one)
     routes: bool = True  # a compute-network route per IPv6 prefix
     rdma_cm: bool = True
+    gpus: tuple[GpuSpec, ...] = ()
+    kernel_release: str = "5.15.0-119-generic"  # /proc/sys/kernel/osrelease
+    nvidia_driver: str = ""  # /sys/module/nvidia/version; "" = the NVIDIA driver is not loaded
+    nvidia_open: bool = False  # the open kernel modules (DMA-BUF capable from R515)
+    nvidia_peermem: bool = False  # nvidia_peermem loaded
+    runtime: str = "containerd"  # containerd | dockerd | crio | "" (none installed)
+    runtime_memlock: str = "unlimited"  # its Max locked memory ("unlimited" or bytes); "" = not running
+    unit_memlock: str = "infinity"  # LimitMEMLOCK= of its drop-in; "" = no drop-in (systemd's default)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NodeSpec:
         """Build from plain data (JSON/YAML spec files used by molecule)."""
         node_keys = {f.name for f in fields(cls)}
         nic_keys = {f.name for f in fields(NicSpec)}
+        gpu_keys = {f.name for f in fields(GpuSpec)}
         unknown = sorted(set(data) - node_keys)
         if unknown:
             raise ValueError(f"unknown node spec key(s) {unknown}; allowed: {sorted(node_keys)}")
@@ -89,6 +186,15 @@ class NodeSpec:
                     nic_kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in nic.items()}
                     nics.append(NicSpec(**nic_kwargs))
                 kwargs["nics"] = tuple(nics)
+            elif key == "gpus":
+                gpus = []
+                for i, gpu in enumerate(value):
+                    bad = sorted(set(gpu) - gpu_keys)
+                    if bad:
+                        raise ValueError(f"gpus[{i}]: unknown key(s) {bad}; allowed: {sorted(gpu_keys)}")
+                    gpu_kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in gpu.items()}
+                    gpus.append(GpuSpec(**gpu_kwargs))
+                kwargs["gpus"] = tuple(gpus)
             else:
                 kwargs[key] = tuple(value) if isinstance(value, list) else value
         return cls(**kwargs)
@@ -105,18 +211,34 @@ def lingjun_node(
     ipv6: bool = True,
     port_state: str = "ACTIVE",
     extra_non_mellanox: bool = False,
+    gpus_per_nic: int = 2,
 ) -> NodeSpec:
     """A Lingjun-shaped GPU node: ``nics`` RDMA devices (bonded RoCE pairs by default)
-    spread over ``numa_nodes`` NUMA nodes, each with a global IPv6 compute address.
+    spread over ``numa_nodes`` NUMA nodes, each with a global IPv6 compute address, and
+    ``gpus_per_nic`` NVIDIA GPUs under the same PCIe switch as each NIC (8 GPUs, 4 per NUMA
+    node, by default): host bridge ``pci0000:<b>`` -> root port ``0000:<b>:01.0`` -> switch
+    upstream port ``0000:<b+1>:00.0`` -> one downstream port per device on bus ``<b+2>`` ->
+    GPUs on ``<b+3>``, ``<b+4>``, ... and the NIC last (``0000:1a:00.0`` for the first switch).
 
     uverbs numbering is deliberately rotated against the RDMA device numbering, as on
     nodes where a device was unbound and rebound.
     """
     specs = []
+    gpus = []
     per_numa = max(1, -(-nics // max(1, numa_nodes)))
     for i in range(nics):
         bus = 0x1A + 0x20 * i
         numa = i // per_numa if numa_nodes > 0 else -1
+        root = bus - 3 - gpus_per_nic  # the root bus of this NIC's switch
+        ports = (f"pci0000:{root:02x}", f"0000:{root:02x}:01.0", f"0000:{root + 1:02x}:00.0")
+        for k in range(gpus_per_nic):
+            gpus.append(
+                GpuSpec(
+                    address=f"0000:{root + 3 + k:02x}:00.0",
+                    numa_node=numa,
+                    pcie_path=(*ports, f"0000:{root + 2:02x}:{k:02x}.0"),
+                )
+            )
         netdevs: tuple[str, ...]
         if bond:
             name, netdevs, master = f"mlx5_bond_{i}", (f"eth{2 * i}", f"eth{2 * i + 1}"), f"bond{i}"
@@ -135,6 +257,8 @@ def lingjun_node(
                 phys_state="LinkUp" if port_state == "ACTIVE" else "Disabled",
                 rate="400 Gb/sec (4X NDR)" if link_layer == "InfiniBand" else "200 Gb/sec (4X HDR)",
                 ipv6=(f"2408:4005:300:{i:x}::11/64",) if ipv6 and link_layer == "Ethernet" else (),
+                pcie_path=(*ports, f"0000:{root + 2:02x}:{gpus_per_nic:02x}.0"),
+                mtu=4200 if link_layer == "Ethernet" else 4092,  # IPoIB datagram mode: 4096 - 4
             )
         )
     if extra_non_mellanox:
@@ -151,9 +275,12 @@ def lingjun_node(
                 rate="100 Gb/sec (4X EDR)",
                 fw_ver="4.40",
                 hca_type="",
+                mtu=1500,
+                trust="",
+                ecn_sysfs=False,
             )
         )
-    return NodeSpec(nics=tuple(specs))
+    return NodeSpec(nics=tuple(specs), gpus=tuple(gpus), nvidia_driver="535.161.08", nvidia_peermem=True)
 
 
 # --------------------------------------------------------------------------- writing
@@ -165,6 +292,7 @@ class FixtureNode:
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         self._inet6_written: list[tuple[str, ipaddress.IPv6Interface]] = []
+        self._kernel = NodeSpec(nics=()).kernel_release
 
     @property
     def sysfs(self) -> str:
@@ -208,38 +336,167 @@ class FixtureNode:
             os.unlink(link)
         os.symlink(rel, link)
 
-    def _pci_dir(self, bdf: str) -> str:
-        # Root port per bus so paths look like the kernel's nested bridges.
-        bus = bdf.split(":")[1]
-        return os.path.join(self.sysfs, "devices", "pci0000:00", f"0000:00:{int(bus, 16) % 32:02x}.0", bdf)
+    def _pci_dir(self, bdf: str, path: tuple[str, ...], numa: int) -> str:
+        """The function's directory under ``devices/``, writing the bridges above it on the way.
+        ``path`` () puts it below a root port per bus of ``pci0000:00`` (the layout of older fixtures)."""
+        if not path:
+            bus = bdf.split(":")[1]
+            path = ("pci0000:00", f"0000:00:{int(bus, 16) % 32:02x}.0")
+        directory = os.path.join(self.sysfs, "devices", path[0])
+        for depth, bridge in enumerate(path[1:]):
+            directory = os.path.join(directory, bridge)
+            if not os.path.exists(os.path.join(directory, "class")):
+                ident = ROOT_PORT_ID if depth == 0 else SWITCH_PORT_ID
+                self._pci_attrs(directory, ident[0], ident[1], "060400", numa, (GEN5, 16, GEN5, 16))
+        return os.path.join(directory, bdf)
+
+    def _pci_attrs(
+        self, pci: str, vendor: str, device: str, klass: str, numa: int, link: tuple[str, int, str, int]
+    ) -> None:
+        """A PCI function's identity, NUMA node and PCIe link attributes (pci-sysfs.c)."""
+        self._write(os.path.join(pci, "vendor"), f"0x{vendor}")
+        self._write(os.path.join(pci, "device"), f"0x{device}")
+        self._write(os.path.join(pci, "class"), f"0x{klass}")
+        self._write(os.path.join(pci, "numa_node"), str(numa))
+        for name, value in zip(
+            ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width"), link, strict=True
+        ):
+            self._write(os.path.join(pci, name), str(value))
+        self._symlink(os.path.join(self.sysfs, "bus", "pci", "devices", os.path.basename(pci)), pci)
+
+    def _bind(self, pci: str, driver: str) -> None:
+        drv = os.path.join(self.sysfs, "bus", "pci", "drivers", driver)
+        os.makedirs(drv, exist_ok=True)
+        self._symlink(os.path.join(pci, "driver"), drv)
+        self._symlink(os.path.join(drv, os.path.basename(pci)), pci)
 
     # -- NICs ---------------------------------------------------------------------
 
     def _pci_function(self, nic: NicSpec, bdf: str) -> str:
-        pci = self._pci_dir(bdf)
-        self._write(os.path.join(pci, "vendor"), f"0x{nic.vendor}")
-        self._write(os.path.join(pci, "device"), f"0x{nic.device_id}")
-        self._write(os.path.join(pci, "class"), "0x020000")
-        self._write(os.path.join(pci, "numa_node"), str(nic.numa_node))
+        pci = self._pci_dir(bdf, nic.pcie_path, nic.numa_node)
+        link = (nic.pcie_speed, nic.pcie_width, nic.pcie_max_speed, nic.pcie_max_width)
+        self._pci_attrs(pci, nic.vendor, nic.device_id, "020000", nic.numa_node, link)
         if nic.driver:
-            drv = os.path.join(self.sysfs, "bus", "pci", "drivers", nic.driver)
-            os.makedirs(drv, exist_ok=True)
-            self._symlink(os.path.join(pci, "driver"), drv)
-            self._symlink(os.path.join(drv, bdf), pci)
-        self._symlink(os.path.join(self.sysfs, "bus", "pci", "devices", bdf), pci)
+            self._bind(pci, nic.driver)
         return pci
 
-    def _netdev(self, ifname: str, pci: str | None, mac: str) -> str:
+    def add_gpu(self, gpu: GpuSpec) -> None:
+        pci = self._pci_dir(gpu.address, gpu.pcie_path, gpu.numa_node)
+        link = (gpu.pcie_speed, gpu.pcie_width, gpu.pcie_max_speed, gpu.pcie_max_width)
+        self._pci_attrs(pci, "10de", gpu.device_id, "030200", gpu.numa_node, link)
+        self._bind(pci, "nvidia")
+
+    def _netdev(self, ifname: str, pci: str | None, mac: str, mtu: int = 1500, up: bool = True) -> str:
         if pci:
             ndir = os.path.join(pci, "net", ifname)
             self._symlink(os.path.join(ndir, "device"), pci)
         else:
             ndir = os.path.join(self.sysfs, "devices", "virtual", "net", ifname)
-        self._write(os.path.join(ndir, "operstate"), "up")
+        self._write(os.path.join(ndir, "operstate"), "up" if up else "down")
+        self._write(os.path.join(ndir, "carrier"), "1" if up else "0")
+        self._write(os.path.join(ndir, "carrier_changes"), "2" if up else "3")
+        self._write(os.path.join(ndir, "mtu"), str(mtu))
         self._write(os.path.join(ndir, "address"), mac)
         self._write(os.path.join(ndir, "ifindex"), str(self._ifindex(ifname)))
         self._symlink(os.path.join(self.sysfs, "class", "net", ifname), ndir)
         return ndir
+
+    def _qos(self, ndir: str, nic: NicSpec) -> None:
+        """MLNX_OFED's per-netdev QoS files: qos/trust and ecn/roce_{np,rp}/enable/<prio> (en_sysfs.c)."""
+        if nic.trust:
+            self._write(os.path.join(ndir, "qos", "trust"), nic.trust)
+        if nic.ecn_sysfs:
+            for point in ("roce_np", "roce_rp"):
+                for prio in range(8):
+                    self._write(os.path.join(ndir, "ecn", point, "enable", str(prio)), "1" if prio in nic.ecn else "0")
+
+    def _bond(self, nic: NicSpec, bond_dir: str, mac: str) -> None:
+        """The bond's sysfs (bonding/) and /proc/net/bonding/<bond> as bond_procfs.c prints it to a
+        reader without CAP_NET_ADMIN, and each slave's bonding_slave/ (bond_sysfs_slave.c)."""
+        number, words = BOND_MODES[nic.bond_mode]
+        lacp = nic.bond_mode == "802.3ad"
+        self._write(os.path.join(bond_dir, "bonding", "mode"), f"{nic.bond_mode} {number}")
+        self._write(os.path.join(bond_dir, "bonding", "slaves"), " ".join(nic.netdevs))
+        up = any(n not in nic.members_down for n in nic.netdevs)
+        self._write(os.path.join(bond_dir, "bonding", "mii_status"), "up" if up else "down")
+        lines = [f"Ethernet Channel Bonding Driver: v{self._kernel}", "", f"Bonding Mode: {words}"]
+        if nic.bond_mode in ("balance-xor", "802.3ad"):
+            lines.append("Transmit Hash Policy: layer3+4 (1)")
+        if nic.bond_mode in ("active-backup", "balance-tlb", "balance-alb"):
+            active = next((n for n in nic.netdevs if n not in nic.members_down), "None")
+            lines += ["Primary Slave: None", f"Currently Active Slave: {active}"]
+        lines += [
+            f"MII Status: {'up' if up else 'down'}",
+            "MII Polling Interval (ms): 100",
+            "Up Delay (ms): 0",
+            "Down Delay (ms): 0",
+            "Peer Notification Delay (ms): 0",
+        ]
+        if lacp:
+            lines += [
+                "",
+                "802.3ad info",
+                "LACP active: on",
+                "LACP rate: slow",
+                "Min links: 0",
+                "Aggregator selection policy (ad_select): stable",
+            ]
+        for ifname in nic.netdevs:
+            down, churned = ifname in nic.members_down, ifname in nic.lacp_churned or ifname in nic.members_down
+            lines += [
+                "",
+                f"Slave Interface: {ifname}",
+                f"MII Status: {'down' if down else 'up'}",
+                "Speed: Unknown" if down else "Speed: 200000 Mbps",
+                "Duplex: Unknown" if down else "Duplex: full",
+                f"Link Failure Count: {1 if down else 0}",
+                f"Permanent HW addr: {mac}",
+                "Slave queue ID: 0",
+            ]
+            slave_dir = os.path.join(self.sysfs, "class", "net", ifname, "bonding_slave")
+            self._write(os.path.join(slave_dir, "mii_status"), "down" if down else "up")
+            self._write(os.path.join(slave_dir, "link_failure_count"), "1" if down else "0")
+            aggregator = "2" if churned else "1"  # a port without a partner gets an aggregator of its own
+            if lacp:
+                lines += [
+                    f"Aggregator ID: {aggregator}",
+                    "Actor Churn State: none",
+                    f"Partner Churn State: {'churned' if churned else 'none'}",
+                    "Actor Churned Count: 0",
+                    f"Partner Churned Count: {1 if churned else 0}",
+                ]
+            self._write(os.path.join(slave_dir, "ad_aggregator_id"), aggregator if lacp else "N/A")
+            partner = str(LACP_DEFAULTED if churned else LACP_IN_SYNC) if lacp else "N/A"
+            self._write(os.path.join(slave_dir, "ad_actor_oper_port_state"), str(LACP_IN_SYNC) if lacp else "N/A")
+            self._write(os.path.join(slave_dir, "ad_partner_oper_port_state"), partner)
+        self._write(os.path.join(self.procfs, "net", "bonding", nic.bond), "\n".join(lines))
+
+    def _counters(self, port_dir: str, nic: NicSpec) -> None:
+        for name in PORT_COUNTERS:
+            self._write(os.path.join(port_dir, "counters", name), str(nic.counters.get(name, 0)))
+        for name in HW_COUNTERS:
+            self._write(os.path.join(port_dir, "hw_counters", name), str(nic.counters.get(name, 0)))
+        self._write(os.path.join(port_dir, "hw_counters", "lifespan"), "10")
+        for name, value in nic.counters.items():
+            if name not in PORT_COUNTERS and name not in HW_COUNTERS:
+                self._write(os.path.join(port_dir, "hw_counters", name), str(value))
+
+    def bump_counter(self, nic: str, counter: str, by: int = 1, port: int = 1) -> int:
+        """Move a port counter on (in place, as the device does); its new value."""
+        base = os.path.join(self.sysfs, "class", "infiniband", nic, "ports", str(port))
+        path = os.path.join(base, "counters", counter)
+        if not os.path.exists(path):
+            path = os.path.join(base, "hw_counters", counter)
+        value = int(Path(path).read_text(encoding="ascii")) + by
+        self._rewrite(path, str(value))
+        return value
+
+    def flap_netdev(self, ifname: str, times: int = 1) -> int:
+        """The netdev lost and regained its carrier ``times`` times: carrier_changes moves by 2 each."""
+        path = os.path.join(self.sysfs, "class", "net", ifname, "carrier_changes")
+        value = int(Path(path).read_text(encoding="ascii")) + 2 * times
+        self._rewrite(path, str(value))
+        return value
 
     def _ifindex(self, ifname: str) -> int:
         return 2 + sum(ord(c) for c in ifname) % 1000
@@ -263,6 +520,9 @@ class FixtureNode:
         if nic.link_layer == "Ethernet":
             ll = self._link_local_gid(mac)
             entries += [(ll, "IB/RoCE v1"), (ll, "RoCE v2")]
+            for v4 in nic.ipv4:
+                gid = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ipaddress.IPv4Address(v4).packed).exploded
+                entries += [(gid, "IB/RoCE v1"), (gid, "RoCE v2")]
             for addr in nic.ipv6:
                 gid = ipaddress.IPv6Interface(addr).ip.exploded
                 entries.append((gid, "IB/RoCE v1"))
@@ -285,12 +545,21 @@ class FixtureNode:
         if nic.bond:  # second PF of the LAG pair
             functions.append(nic.pci_address[:-1] + "1")
         pci_dirs = [self._pci_function(nic, bdf) for bdf in functions]
+        bond_dir = ""
+        if nic.bond:
+            up = any(n not in nic.members_down for n in nic.netdevs)
+            bond_dir = self._netdev(nic.bond, None, mac, nic.mtu, up=up)
         for i, ifname in enumerate(nic.netdevs):
-            ndir = self._netdev(ifname, pci_dirs[min(i, len(pci_dirs) - 1)], mac)
-            if nic.bond:
-                bond_dir = self._netdev(nic.bond, None, mac)
+            ndir = self._netdev(
+                ifname, pci_dirs[min(i, len(pci_dirs) - 1)], mac, nic.mtu, ifname not in nic.members_down
+            )
+            if nic.link_layer == "Ethernet":
+                self._qos(ndir, nic)
+            if bond_dir:
                 self._symlink(os.path.join(ndir, "master"), bond_dir)
                 self._symlink(os.path.join(bond_dir, f"lower_{ifname}"), ndir)
+        if bond_dir:
+            self._bond(nic, bond_dir, mac)
         ib = os.path.join(pci_dirs[0], "infiniband", nic.name)
         self._symlink(os.path.join(ib, "device"), pci_dirs[0])
         self._write(os.path.join(ib, "node_guid"), nic.node_guid or f"b8ce:f603:00{bus:02x}:2b3c")
@@ -304,6 +573,7 @@ class FixtureNode:
             self._write(os.path.join(pdir, "phys_state"), f"{_PHYS_CODES.get(nic.phys_state, 3)}: {nic.phys_state}")
             self._write(os.path.join(pdir, "state"), f"{_STATE_CODES.get(nic.port_state, 1)}: {nic.port_state}")
             self._gids(pdir, nic, mac)
+            self._counters(pdir, nic)
         self._symlink(os.path.join(self.sysfs, "class", "infiniband", nic.name), ib)
         # Char devices: sysfs class entries with ibdev files, and nodes under dev/.
         self._char(pci_dirs[0], "infiniband_verbs", f"uverbs{nic.uverbs}", nic.name, None, 192 + nic.uverbs)
@@ -385,6 +655,7 @@ class FixtureNode:
             shutil.rmtree(self.root)
         os.makedirs(self.root)
         self._inet6_written = []
+        self._kernel = spec.kernel_release
         for d in ("class/infiniband", "class/infiniband_verbs", "class/infiniband_mad", "class/net"):
             os.makedirs(os.path.join(self.sysfs, d), exist_ok=True)
         os.makedirs(os.path.join(self.dev, "infiniband"), exist_ok=True)
@@ -408,11 +679,68 @@ class FixtureNode:
         )
         for nic in spec.nics:
             self.add_nic(nic)
+        for gpu in spec.gpus:
+            self.add_gpu(gpu)
+        self._write_numa_nodes(spec)
+        self._write_host(spec)
         self._write_ipv6_conf(spec)
         self._write_routes(spec)
         with open(os.path.join(self.root, "node-spec.json"), "w", encoding="utf-8") as fh:
             json.dump(spec.to_dict(), fh, indent=2)
         return self
+
+    def _write_numa_nodes(self, spec: NodeSpec) -> None:
+        """``devices/system/node``: node0 .. the highest NUMA node a device sits on (node0 alone when
+        none has one), and ``online``/``possible`` in the kernel's list form (drivers/base/node.c)."""
+        highest = max([0, *(n.numa_node for n in spec.nics), *(g.numa_node for g in spec.gpus)])
+        base = os.path.join(self.sysfs, "devices", "system", "node")
+        for node in range(highest + 1):
+            os.makedirs(os.path.join(base, f"node{node}"), exist_ok=True)
+        nodes = "0" if highest == 0 else f"0-{highest}"
+        self._write(os.path.join(base, "online"), nodes)
+        self._write(os.path.join(base, "possible"), nodes)
+
+    def _write_host(self, spec: NodeSpec) -> None:
+        """Kernel release, NVIDIA driver and peer-memory modules, and the container runtime."""
+        self._write(os.path.join(self.procfs, "sys", "kernel", "osrelease"), spec.kernel_release)
+        if spec.nvidia_driver:
+            self._write(os.path.join(self.sysfs, "module", "nvidia", "version"), spec.nvidia_driver)
+            flavour = (
+                "NVIDIA UNIX Open Kernel Module for x86_64" if spec.nvidia_open else "NVIDIA UNIX x86_64 Kernel Module"
+            )
+            banner = f"NVRM version: {flavour}  {spec.nvidia_driver}  Release Build  (dvs-builder@U16-I3-B03-4-3)"
+            self._write(
+                os.path.join(self.procfs, "driver", "nvidia", "version"), f"{banner}\nGCC version:  gcc version 11.4.0"
+            )
+        if spec.nvidia_peermem:
+            os.makedirs(os.path.join(self.sysfs, "module", "nvidia_peermem"), exist_ok=True)
+            os.makedirs(os.path.join(self.sysfs, "kernel", "mm", "memory_peers", "nv_mem"), exist_ok=True)
+        if not spec.runtime:
+            return
+        unit = {"containerd": "containerd.service", "dockerd": "docker.service", "crio": "crio.service"}[spec.runtime]
+        self._write(
+            os.path.join(self.root, "usr", "lib", "systemd", "system", unit),
+            "[Unit]\nDescription=container runtime\n\n[Service]\nExecStart=/usr/bin/"
+            + spec.runtime
+            + "\nDelegate=yes\nKillMode=process\nLimitNPROC=infinity\nLimitCORE=infinity\n\n"
+            "[Install]\nWantedBy=multi-user.target",
+        )
+        if spec.unit_memlock:
+            self._write(
+                os.path.join(self.root, "etc", "systemd", "system", f"{unit}.d", "10-memlock.conf"),
+                f"[Service]\nLimitMEMLOCK={spec.unit_memlock}",
+            )
+        if spec.runtime_memlock:
+            pid = 1234
+            self._write(os.path.join(self.procfs, str(pid), "comm"), spec.runtime)
+            rows = [
+                ("Max cpu time", "unlimited", "unlimited", "seconds"),
+                ("Max open files", "1048576", "1048576", "files"),
+                ("Max locked memory", spec.runtime_memlock, spec.runtime_memlock, "bytes"),
+            ]
+            table = [f"{'Limit':<25} {'Soft Limit':<20} {'Hard Limit':<20} {'Units':<10}"]
+            table += [f"{name:<25} {soft:<20} {hard:<20} {unit_name:<10}" for name, soft, hard, unit_name in rows]
+            self._write(os.path.join(self.procfs, str(pid), "limits"), "\n".join(table))
 
     def _write_ipv6_conf(self, spec: NodeSpec) -> None:
         conf = os.path.join(self.procfs, "sys", "net", "ipv6", "conf")
@@ -454,6 +782,7 @@ def with_nic_changes(spec: NodeSpec, name: str, **changes: Any) -> NodeSpec:
 __all__ = [
     "DEFAULT_MODULES",
     "FixtureNode",
+    "GpuSpec",
     "NicSpec",
     "NodeSpec",
     "lingjun_node",

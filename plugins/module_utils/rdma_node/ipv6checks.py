@@ -35,6 +35,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import procfs, sysfs
+from .checks import Check
+
+__all__ = [  # Check is re-exported: the plugin (netchecks) and tests use ipv6checks.Check
+    "CHECK_NAMES",
+    "Check",
+    "NetdevIpv6",
+    "check",
+    "read_and_check",
+    "read_netdev",
+    "read_netdevs",
+    "roce_v2_gids",
+]
 
 NETNS_MODE = "netns_mode"
 COMPUTE_NETDEVS = "ipv6_compute_netdevs"
@@ -45,43 +57,6 @@ ROCE_V2_GID = "roce_v2_gid"
 CHECK_NAMES = (NETNS_MODE, COMPUTE_NETDEVS, IPV6_ENABLED, GLOBAL_ADDRESS, ROUTE, ROCE_V2_GID)
 
 NETNS_MODES = ("shared", "exclusive")
-
-
-@dataclass(frozen=True)
-class Check:
-    """The outcome of one check: what was found (``detail``) and, when failed, the fix."""
-
-    name: str  # one of CHECK_NAMES
-    nic: str  # RDMA device name, "" for node-wide checks
-    netdev: str  # compute netdev checked, "" when none applies
-    passed: bool
-    detail: str  # the problem when failed, what was seen when passed
-    fix: str = ""  # "" when passed
-    label: str | None = None  # message prefix; None = "<nic> (<netdev>)", "" = none (a check over several NICs)
-
-    @property
-    def problem(self) -> str:
-        return "" if self.passed else self.detail
-
-    def message(self) -> str:
-        """``<nic> (<netdev>): <detail>``, plus ``. Fix: <fix>`` when failed."""
-        label = self.label
-        if label is None:
-            label = f"{self.nic} ({self.netdev})" if self.nic and self.netdev else self.nic
-        text = f"{label}: {self.detail}" if label else self.detail
-        return text if self.passed else f"{text}. Fix: {self.fix}"
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain data for JSON output and Ansible facts (``nic`` and ``netdev`` null when none)."""
-        return {
-            "name": self.name,
-            "nic": self.nic or None,
-            "netdev": self.netdev or None,
-            "passed": self.passed,
-            "problem": self.problem,
-            "fix": self.fix,
-            "message": self.message(),
-        }
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from . import sysfs
-from .ipv6checks import Check
+from .checks import Check
 
 LINK_LAYERS = ("Ethernet", "InfiniBand")
 

@@ -69,7 +69,8 @@ class Port:
     phys_state: str  # "LinkUp", "Disabled", ...
     link_layer: str  # "Ethernet" | "InfiniBand"
     rate: str  # "400 Gb/sec (4X NDR)"
-    gids: tuple[Gid, ...] = ()
+    gids: tuple[Gid, ...] = ()  # the non-empty entries of the GID table
+    gid_table_len: int = 0  # entries under gids/, empty ones included (ibv_port_attr.gid_tbl_len)
 
     @property
     def active(self) -> bool:
@@ -292,11 +293,14 @@ def rdma_cm(dev_root: str, sysfs_root: str = "/sys") -> CharDevice:
 # --------------------------------------------------------------------------- ports
 
 
-def _read_gids(port_dir: str) -> tuple[Gid, ...]:
+def _read_gids(port_dir: str) -> tuple[tuple[Gid, ...], int]:
+    """The non-empty GIDs of a port and the length of its GID table."""
     gids = []
+    table_len = 0
     for entry in _listdir(os.path.join(port_dir, "gids")):
         if not entry.isdigit():
             continue
+        table_len = max(table_len, int(entry) + 1)
         gid = read_text(os.path.join(port_dir, "gids", entry))
         if not gid or gid == ZERO_GID:
             continue
@@ -304,7 +308,7 @@ def _read_gids(port_dir: str) -> tuple[Gid, ...]:
         ndev = read_text(os.path.join(port_dir, "gid_attrs", "ndevs", entry)) or ""
         gids.append(Gid(int(entry), gid.lower(), gtype, ndev))
     gids.sort(key=lambda g: g.index)
-    return tuple(gids)
+    return tuple(gids), table_len
 
 
 def _read_ports(ibdev_dir: str) -> tuple[list[Port], list[str]]:
@@ -318,6 +322,7 @@ def _read_ports(ibdev_dir: str) -> tuple[list[Port], list[str]]:
         state = _coded(raw_state, PORT_STATES)
         if state == "UNKNOWN":
             problems.append(f"port {entry}: unreadable state {raw_state!r}")
+        gids, table_len = _read_gids(pdir)
         ports.append(
             Port(
                 number=int(entry),
@@ -325,7 +330,8 @@ def _read_ports(ibdev_dir: str) -> tuple[list[Port], list[str]]:
                 phys_state=_coded(read_text(os.path.join(pdir, "phys_state")), PHYS_STATES),
                 link_layer=read_text(os.path.join(pdir, "link_layer")) or "",
                 rate=read_text(os.path.join(pdir, "rate")) or "",
-                gids=_read_gids(pdir),
+                gids=gids,
+                gid_table_len=table_len,
             )
         )
     ports.sort(key=lambda p: p.number)
@@ -546,3 +552,29 @@ def netns_mode(sysfs_root: str) -> str | None:
     if value is None:
         return None
     return "shared" if value in ("Y", "1") else "exclusive" if value in ("N", "0") else None
+
+
+def parse_node_list(value: str) -> tuple[int, ...]:
+    """The kernel's node list format (``bitmap_print_to_pagebuf``'s list form): ``0-1``, ``0,2-3``, ``0``.
+    Raises ValueError for anything else."""
+    nodes: set[int] = set()
+    for part in value.strip().split(","):
+        lo, sep, hi = part.partition("-")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if first < 0 or last < first or last >= MAX_NUMA_NODES:
+            raise ValueError(f"{part!r} is not a NUMA node range")
+        nodes.update(range(first, last + 1))
+    return tuple(sorted(nodes))
+
+
+def numa_nodes(sysfs_root: str) -> tuple[int, ...]:
+    """The node's online NUMA nodes (``devices/system/node/online``, the list the kubelet's Topology
+    Manager sees through cadvisor); () when absent or unreadable."""
+    value = read_text(os.path.join(sysfs_root, "devices", "system", "node", "online"))
+    if not value:
+        return ()
+    try:
+        return parse_node_list(value)
+    except ValueError:
+        LOG.warning("cannot parse %s/devices/system/node/online: %r", sysfs_root, value)
+        return ()

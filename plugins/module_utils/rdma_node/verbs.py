@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from .ipv6checks import Check
+from .checks import Check
 from .sysfs import PORT_STATES
 from .text import decode
 
@@ -67,6 +67,15 @@ def port_states(ctx: Any) -> tuple[str, ...]:
     return tuple(PORT_STATES.get(int(ctx.query_port(p).state), "UNKNOWN") for p in range(1, count + 1))
 
 
+IBV_MTU = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}  # enum ibv_mtu
+
+
+def active_mtus(ctx: Any) -> list[int]:
+    """The active MTU of every port in bytes (0 when libibverbs reports none)."""
+    count = int(ctx.query_device().phys_port_cnt)
+    return [IBV_MTU.get(int(ctx.query_port(p).active_mtu), 0) for p in range(1, count + 1)]
+
+
 def gids(ctx: Any) -> list[tuple[str, str]]:
     """Non-zero GIDs of every port as (gid "fe80:0000:...", type "RoCE v2" | "IB/RoCE v1" | "")."""
     out: list[tuple[str, str]] = []
@@ -98,6 +107,7 @@ class VerbsRead:
     used: bool = False  # pyverbs listed devices and the selected NICs were tried
     ports: dict[str, list[str]] = field(default_factory=dict)  # opened NIC -> port states
     gids: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # opened NIC -> GIDs
+    active_mtu: dict[str, list[int]] = field(default_factory=dict)  # opened NIC -> ports' active MTU
     failed: dict[str, tuple[str, str]] = field(default_factory=dict)  # NIC -> (problem, fix)
 
     def checks(self) -> list[Check]:
@@ -140,6 +150,8 @@ def read(names: Sequence[str], loader: Callable[[], Any]) -> VerbsRead:
         try:
             result.ports[name] = list(port_states(ctx))
             result.gids[name] = gids(ctx)
+            with contextlib.suppress(Exception):  # optional: the MTU check derives it from sysfs without
+                result.active_mtu[name] = active_mtus(ctx)
         except Exception as exc:
             result.failed[name] = (f"libibverbs cannot query it ({_error(exc)})", FIX_OPEN)
         finally:

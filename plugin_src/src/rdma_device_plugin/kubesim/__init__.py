@@ -1,4 +1,14 @@
-"""The kubelet stand-in (tests, benchmarks, the local default); never imported by ``serve``."""
+"""Kubelets for tests, benchmarks and the local default; never imported by ``serve``.
+
+- :class:`KubeletSimulator` (kubelet.py): the device manager re-written in Python, at least as strict
+  as kubelets 1.28-1.34, with the fixed behaviour of kubernetes PR 135437 as an option.
+- ``real.RealKubelet`` (real.py): the kubelet's own v1.32.10 device manager (``kubelet-dm-serve``).
+
+Both offer the methods the tests use on either: ``start``, ``stop``, ``restart``,
+``wait_registered``, ``wait_for``, ``wait_allocatable``, ``registration_count``, ``capacity``,
+``allocatable``, ``node_status``, ``health``, ``numa``, ``options``, ``allocate``, ``release``,
+``record_start``/``record_stop``.
+"""
 
 from .kubelet import CHECKPOINT, Allocation, AllocationFailed, Endpoint, KubeletSimulator
 

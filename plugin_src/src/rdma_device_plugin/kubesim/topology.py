@@ -4,6 +4,10 @@ Mirrors kubernetes ``pkg/kubelet/cm/devicemanager/topology_hints.go``
 (``generateDeviceTopologyHints``) and the ``single-numa-node`` policy
 (``pkg/kubelet/cm/topologymanager/policy_single_numa_node.go``: only preferred hints with one
 NUMA node are admissible), so NUMA packing can be asserted as the kubelet sees it.
+
+Where it still differs: the hints of one resource are applied alone. The kubelet's Topology Manager
+merges the hints of every resource of a container (GPUs and RDMA NICs together); tests of that
+alignment run against the kubelet's own device manager (kubesim.real, tests/test_workload_env.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,24 @@
-"""Supervisor: discovery, health probing, serving every pool, and surviving kubelet restarts.
+"""The supervisor: one loop on the main thread runs everything periodic, and never blocks.
 
-Threads: one supervisor loop (the main thread) does everything periodic, each step supervised
-on its own: the health probe (port states at the health interval; a NIC re-list when the set of
-RDMA devices changes or the rediscovery interval passes), the socket watch (kubelet restart,
-lost plugin socket, ended streams, (re)registration), the config watch and the liveness file.
-It sleeps on kernel notifications (events.py: inotify on the device-plugin dir and the config
-dir, rtnetlink link events where the NICs' netdevs are visible) rather than polling what they
-cover (issue 15). The gRPC servers run on their own asyncio thread (server.py).
+Each step is supervised and time-stamped on its own (``probe``: discovery and the health probe;
+``watch``: the kubelet and the registrations; the loop labels of the metrics, the stale-loop alert
+and the liveness file). It sleeps in one ``poll`` on kernel notifications (events.py: inotify on
+the device-plugin dir and the config dir, rtnetlink link events where the NICs' netdevs are
+visible) and on a wake pipe the gRPC loop writes to (a stream of the kubelet opened or ended, a
+Register answered: :mod:`.server`). Calls to the kubelet run on the gRPC loop, so a kubelet that
+never answers delays nothing here. Registration is one state machine per resource
+(:mod:`.registration`); what the node has comes from :mod:`.discovery`.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
+import queue
 import select
 import signal
 import sys
@@ -23,14 +27,15 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-import grpc
-
-from . import cdi, events, netchecks, nfd
-from .config import ConfigError, PluginConfig, load_config, socket_name, socket_path_problems
+from . import cdi, events, netchecks, nfd, numa_pools, sockets
+from .config import ConfigError, PluginConfig, load_config, socket_path_problems
+from .discovery import Discovery
+from .kubeletapi import KUBELET_SOCKET
 from .node import sysfs
-from .resources import NicHealth, ResourcePool, build_pools
-from .server import KUBELET_SOCKET, Hooks, LiveStatus, PluginServer
-from .supervision import Backoff, LogOnce, remove_health, write_health
+from .registration import Registration
+from .resources import build_pools
+from .server import Hooks, LiveStatus, PluginServer, stop_all
+from .supervision import LogOnce, remove_health, write_health
 from .verbs import VerbsProbe, verbs_unusable_reason
 
 LOG = logging.getLogger(__name__)
@@ -42,202 +47,7 @@ FOLLOW_UP_SECONDS = 2.0  # after a link event, probe fast: a driver may update t
 # The liveness file is rewritten when what it says changes and at least this often: well inside
 # the loops' max_age (10 s) that `healthcheck` allows, so a live plugin never looks stale.
 HEALTH_WRITE_SECONDS = 3.0
-
-
-class Discovery:
-    """Feeds the pools from sysfs: full re-list on change or timer, cheap port probe otherwise."""
-
-    def __init__(
-        self,
-        config: PluginConfig,
-        pools: list[ResourcePool],
-        sysfs_root: str,
-        dev_root: str,
-        verbs: VerbsProbe | None = None,
-        hooks: Hooks | None = None,
-    ):
-        self.config = config
-        self.pools = pools
-        self.sysfs_root = sysfs_root
-        self.dev_root = dev_root
-        self.verbs = verbs  # port states through pyverbs when it lists devices, else sysfs
-        self.hooks = hooks or Hooks()
-        self.cdi: dict[str, cdi.SpecWriter] = {}  # resource name -> its CDI spec (cdi.enabled)
-        self._names: list[str] = []
-        self._problems: dict[str, tuple[str, ...]] = {}
-        self._incomplete = False
-        self._last_full = 0.0
-        self._unreadable: dict[str, str] = {}  # this re-list's unidentifiable devices -> why
-        self._unreadable_logged: dict[str, str] = {}
-        self._log_once = LogOnce(LOG)
-        self._ports: sysfs.PortStateReader | None = None  # fast probe: open port-state files (issue 15)
-        self._states: dict[str, tuple[str, ...] | None] | None = None  # last states applied
-        self.features: nfd.FeatureFile | None = None  # --nfd-features-file (issue 15)
-        self.coverage = events.LinkCoverage(frozenset(), ())  # set by every re-list
-
-    def _skipped(self, name: str, reason: str) -> None:
-        """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
-        self._unreadable[name] = reason
-        if self._unreadable_logged.get(name) != reason:
-            self._unreadable_logged[name] = reason
-            LOG.warning("RDMA device %s left out: %s", name, reason, extra={"nic": name})
-
-    def owners(self, nics: list[sysfs.Nic]) -> dict[str, list[str]]:
-        """NIC name -> the resources whose selectors select it, in config order."""
-        out: dict[str, list[str]] = {}
-        for pool in self.pools:
-            for nic in pool.selectors.select(nics):
-                out.setdefault(nic.name, []).append(pool.name)
-        return out
-
-    def exclusive_overlaps(self, nics: list[sysfs.Nic]) -> list[str]:
-        """Exclusive mode: a NIC selected by two resources would go "exclusively" to two pods."""
-        if self.config.mode != "exclusive":
-            return []
-        return [
-            f"in exclusive mode NIC {name} is selected by resources {', '.join(owners)}; make their selectors "
-            "disjoint (e.g. rdmaDevices or ifNames per resource)"
-            for name, owners in sorted(self.owners(nics).items())
-            if len(owners) > 1
-        ]
-
-    def full(self) -> list[sysfs.Nic]:
-        self._unreadable = {}
-        names = sysfs.list_rdma_devices(self.sysfs_root)
-        nics = sysfs.read_nics(self.sysfs_root, self.dev_root, on_skip=self._skipped)
-        for gone in set(self._unreadable_logged) - set(self._unreadable):
-            del self._unreadable_logged[gone]
-        problems = {n.name: n.problems for n in nics if n.problems}
-        for name, found in problems.items():
-            if self._problems.get(name) != found:  # log a problem once, not at every re-list
-                for problem in found:
-                    LOG.warning("NIC problem", extra={"nic": name, "problem": problem})
-        self._problems = problems
-        # Every listed name, readable or not: an unreadable device must not look like a change
-        # (and force a full re-list) at every probe.
-        self._names = names
-        self._last_full = time.monotonic()
-        owners = self.owners(nics) if self.config.mode == "exclusive" else {}
-        for name, res in sorted(owners.items()):
-            if len(res) > 1:
-                self._log_once.problem(
-                    f"overlap {name}",
-                    "NIC %s is selected by resources %s in exclusive mode; only %s gets it",
-                    name,
-                    ", ".join(res),
-                    res[0],
-                    level=logging.ERROR,
-                )
-        for pool in self.pools:
-            mine = [n for n in nics if owners.get(n.name, [pool.name])[0] == pool.name]
-            before = pool.health_state()
-            if pool.set_nics(mine):
-                LOG.info("devices changed", extra={"resource": pool.name, "nics": pool.nic_summary()})
-            self._log_health(pool, before)
-        # A selected NIC whose uverbs node is not there yet (udev still creating it) is
-        # re-read at every probe, so it becomes usable without waiting for the rediscovery timer.
-        self._incomplete = any(
-            nic.uverbs is None or not nic.uverbs.present for pool in self.pools for nic in pool.present_nics()
-        )
-        self.hooks.rediscovered()
-        self.hooks.nics_found(nics)
-        if self.features is not None:
-            self.features.update([n for pool in self.pools for n in pool.present_nics()])
-        self.coverage = events.link_coverage(
-            [n for pool in self.pools for n in pool.present_nics()],
-            lambda netdev: sysfs.netdev_ifindex(self.sysfs_root, netdev),
-        )
-        self._open_ports([n for n in names if n not in self._unreadable])
-        if self.verbs is not None and self.verbs.available():
-            self._states = None  # set_nics applied sysfs states: pyverbs' must be applied again
-            self._apply_states(self.port_states(self._names) or {})
-        else:
-            self._states = {n.name: tuple(p.state for p in n.ports) for n in nics}
-            self.hooks.port_states(self._states)
-        for pool in self.pools:
-            writer = self.cdi.get(pool.name)
-            if writer is not None:
-                try:
-                    writer.update(pool.present_nics())
-                except OSError as exc:
-                    LOG.error("cannot write CDI spec", extra={"path": writer.path, "error": str(exc)})
-        return nics
-
-    def _open_ports(self, names: list[str]) -> None:
-        if self._ports is not None:
-            self._ports.close()
-        self._ports = sysfs.PortStateReader(self.sysfs_root, names)
-
-    def close(self) -> None:
-        if self._ports is not None:
-            self._ports.close()
-            self._ports = None
-
-    def port_states(self, names: list[str]) -> dict[str, tuple[str, ...] | None] | None:
-        """From pyverbs when available (sysfs for NICs it does not know), else from the open sysfs
-        port-state files; None when one of those reads failed (the caller re-lists)."""
-        if self.verbs is not None and self.verbs.available():
-            states = self.verbs.port_states(names)
-            missing = [n for n in names if n not in states]
-            if missing:
-                states.update(sysfs.read_port_states(self.sysfs_root, missing))
-            return states
-        if self._ports is None:
-            return sysfs.read_port_states(self.sysfs_root, names)
-        return self._ports.read()
-
-    def _apply_states(self, states: dict[str, tuple[str, ...] | None]) -> None:
-        if states is self._states:
-            return  # nothing changed: the common case at every fast probe (the reader's same dict)
-        if states == self._states:
-            self._states = states  # the reader's dict from now on: the identity test above holds
-            return
-        self._states = states
-        for pool in self.pools:
-            before = pool.health_state()
-            pool.set_port_states(states)
-            self._log_health(pool, before)
-        self.hooks.port_states(states)  # after the pools: the status file re-reads them on this hook
-
-    @staticmethod
-    def _log_health(pool: ResourcePool, before: dict[str, NicHealth]) -> None:
-        """One line per NIC whose health changed, as a person reads it:
-        ``mlx5_bond_1 port 1 DOWN: rdma/hca Unhealthy (policy all)``."""
-        if not before:
-            return  # first discovery: "resource ready" says it
-        for line in pool.health_changes(before):
-            LOG.info("health changed: %s", line, extra={"resource": pool.name})
-
-    def check_devices(self) -> None:
-        """Re-list the NICs when the set of RDMA devices changed (hot-plug, removal), one is still
-        incomplete, or the rediscovery interval passed."""
-        names = sysfs.list_rdma_devices(self.sysfs_root)
-        due = time.monotonic() - self._last_full >= self.config.rediscovery_interval_seconds
-        if names != self._names or due or self._incomplete:
-            if names != self._names:
-                LOG.info("RDMA devices changed on the node", extra={"before": self._names, "after": names})
-            self.full()
-
-    def unchanged(self) -> bool:
-        """The idle fast probe: True when every port reads as last applied (one pread per port,
-        no parsing). False for anything else (a change, a failed read, pyverbs, unreadable NICs):
-        :meth:`probe` then does the full work, reading the same values again."""
-        ports = self._ports
-        if ports is None or self._unreadable or (self.verbs is not None and self.verbs.available()):
-            return False
-        return ports.read() is self._states
-
-    def probe(self) -> None:
-        """Port states only, one pread per port: the frequent step. A removed NIC fails its reads
-        and is re-listed at once; an added one waits for :meth:`check_devices` (once a second)."""
-        names = self._names
-        states = self.port_states([n for n in names if n not in self._unreadable] if self._unreadable else names)
-        if states is None:
-            failed = self._ports.failed if self._ports is not None else ""
-            LOG.info("a port state read failed; re-listing the NICs", extra={"error": failed})
-            self.full()
-            return
-        self._apply_states(states)
+STOP_GRACE_SECONDS = 0.5  # open streams get this long to end at exit (all servers together)
 
 
 class Supervisor:
@@ -264,32 +74,36 @@ class Supervisor:
         self.config_path = config_path
         self.health_file = health_file
         self._config_seen = self._config_mtime()
-        self.pools = build_pools(config)
+        self.pools = build_pools(config, self._numa_nodes(config, sysfs_root))
+        problems = numa_pools.snapshot_problems([p.spec for p in self.pools])
+        if problems:
+            raise ConfigError("invalid config for this node:\n" + "\n".join(f"  - {p}" for p in problems))
         self.hooks = hooks or Hooks()
         self.hooks.pools_ready(self.pools)
         self.discovery = Discovery(config, self.pools, sysfs_root, dev_root, verbs, self.hooks)
         for pool in self.pools:
             if cdi_dir and pool.cdi_kind is not None:
                 self.discovery.cdi[pool.name] = cdi.SpecWriter(
-                    cdi_dir, pool.cdi_kind, config.mode, config.char_devices.umad, config.char_devices.issm
+                    cdi_dir,
+                    pool.cdi_kind,
+                    config.mode,
+                    config.char_devices.umad,
+                    config.char_devices.issm,
+                    per_numa=pool.spec.kind == numa_pools.LOCAL,
                 )
-        self.servers = [
-            PluginServer(p, device_plugin_dir, socket_name(p.name), self.hooks, self._stream_ended) for p in self.pools
-        ]
         self.stop_event = threading.Event()
+        self.once = LogOnce(LOG)
+        # Events from the gRPC loop (streams, Register results), run here in order.
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.registrations = [
+            Registration(pool, device_plugin_dir, self.hooks, self._stream_event, self._register_done, self.once)
+            for pool in self.pools
+        ]
         self._kubelet_id: tuple[int, int] | None = None
-        self._registered: set[str] = set()
-        self._stood_down: set[str] = set()  # another (newer) instance serves these
-        self._ended: set[str] = set()  # resources whose ListAndWatch stream ended (from the gRPC loop)
-        self._ended_lock = threading.Lock()
-        self._register_backoff = {s.pool.name: Backoff() for s in self.servers}
-        self._serve_backoff = {s.pool.name: Backoff() for s in self.servers}
-        self._unregistered_since: dict[str, float] = {s.pool.name: time.time() for s in self.servers}
         self.heartbeats: dict[str, float] = {}  # loop step name -> wall time it last completed
         self._health_written = 0.0
-        self._changes = 0  # bumped when registration state changes: the liveness file says so at once
         self._health_said = -1
-        # The loop sleeps in select(): a write to this pipe ends the sleep (stop, stream end).
+        # The loop sleeps in poll(): a write to this pipe ends the sleep (stop, gRPC event).
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._dir_watch: events.DirWatch | None = None
         self._config_watch: events.DirWatch | None = None  # the config file's directory
@@ -302,14 +116,27 @@ class Supervisor:
         self._sources: dict[int, events.DirWatch | events.LinkEvents] = {}
         self._coverage_said: tuple[bool, events.LinkCoverage] | None = None
         self._kubelet_sock = os.path.join(device_plugin_dir, KUBELET_SOCKET)
-        self.once = LogOnce(LOG)
         self.hooks.supervising(self.live_status)
+
+    @staticmethod
+    def _numa_nodes(config: PluginConfig, sysfs_root: str) -> tuple[int, ...]:
+        """The node's NUMA nodes, read once at start for numaPools (the kubelet's own view)."""
+        if not any(r.numa_pools for r in config.resources) or config.mode != "shared":
+            return ()
+        nodes = sysfs.numa_nodes(sysfs_root)
+        if not nodes:
+            LOG.warning(
+                "numaPools: cannot read the node's NUMA nodes (%s/devices/system/node/online); serving the "
+                "configured resources only",
+                sysfs_root,
+            )
+        return nodes
 
     def live_status(self) -> LiveStatus:
         return LiveStatus(
             loops=dict(self.heartbeats),
-            registered=frozenset(self._registered),
-            streams={s.pool.name: s.open_streams() if s.serving else 0 for s in self.servers},
+            registered=frozenset(r.name for r in self.registrations if r.registered),
+            kubelet_streams=frozenset(r.name for r in self.registrations if r.kubelet_stream_open),
         )
 
     # ------------------------------------------------------------------ threads
@@ -318,10 +145,11 @@ class Supervisor:
         """The supervisor loop: every step supervised and time-stamped on its own ("probe", "watch":
         the loop labels of the metrics, the alert and the liveness file).
 
-        It sleeps in one ``select`` on the wake pipe and the kernel's notifications, and wakes for:
+        It sleeps in one ``poll`` on the wake pipe and the kernel's notifications, and wakes for:
         a port-state probe (every ``health.intervalSeconds``, or ``linkEventsIntervalSeconds`` while
         link events cover every selected port), a link event (probe at once, then fast for a while),
-        a change in the device-plugin dir (kubelet restart, lost socket), a stream end or a stop,
+        a change in the device-plugin dir (kubelet restart, lost socket), a gRPC event (a stream of the
+        kubelet opened or ended, a Register answered) or a stop,
         a change of the config file, a registration retry that is due, and once a second for the
         rest (sockets and config in case a notification was lost, liveness file, lost watches).
         An idle plugin on a node whose netdevs it sees wakes about once a second; without them, at
@@ -336,7 +164,8 @@ class Supervisor:
         while not self.stop_event.is_set():
             now = time.monotonic()
             soon = now + COALESCE_SECONDS  # what falls due this soon runs now: one wake-up, not two
-            if soon >= next_slow:
+            slow = soon >= next_slow
+            if slow:
                 next_slow = now + SLOW_SECONDS
                 self._supervised("event sources", self._keep_watching)
                 self._supervised("health probe", self._check_devices)
@@ -352,7 +181,7 @@ class Supervisor:
             if watch_due or soon >= watch_at:
                 watch_due = False
                 self._watched_at = now
-                if self._supervised("socket watch", self._tick):
+                if self._supervised("socket watch", functools.partial(self._watch_sockets, slow)):
                     self.heartbeats["watch"] = time.time()
                 self._supervised("health file", self._write_health)
                 watch_at = self._next_watch()
@@ -375,7 +204,7 @@ class Supervisor:
                     follow_until = time.monotonic() + FOLLOW_UP_SECONDS
                     next_probe = 0.0
                 else:
-                    watch_due = True  # a stream ended (or a stop): look at the sockets now
+                    watch_due = True  # a gRPC event (stream, Register result) or a stop: look now
 
     def _watching(self, source: events.DirWatch | events.LinkEvents, on: bool) -> None:
         """(Un)register a notification source with the loop's poll set."""
@@ -425,19 +254,10 @@ class Supervisor:
 
     def _next_watch(self) -> float:
         """When the socket watch must run next without a notification: at the polling period when
-        the device-plugin dir cannot be watched, else when a retry (serve, register) is due."""
+        the device-plugin dir cannot be watched, else when a registration's retry or deadline is due."""
         if self._dir_watch is None:
             return self._watched_at + WATCH_SECONDS
-        due = float("inf")
-        for server in self.servers:
-            name = server.pool.name
-            if name in self._stood_down:
-                continue
-            if not server.serving:
-                due = min(due, self._serve_backoff[name].next_at)
-            elif name not in self._registered and self._kubelet_present:
-                due = min(due, self._register_backoff[name].next_at)
-        return due
+        return min((r.next_due(self._kubelet_present) for r in self.registrations), default=float("inf"))
 
     def _probe(self) -> None:
         self.discovery.probe()
@@ -474,7 +294,9 @@ class Supervisor:
         if self._dir_watch is None:
             try:
                 self._dir_watch = events.DirWatch(
-                    self.dir, names=[KUBELET_SOCKET, *(os.path.basename(s.path) for s in self.servers)]
+                    self.dir,
+                    names=[KUBELET_SOCKET],
+                    prefixes=[sockets.base_name(r.name) + "." for r in self.registrations],
                 )
             except OSError as exc:
                 self.once.problem(
@@ -594,21 +416,23 @@ class Supervisor:
         except OSError:
             return None
 
-    def _stream_ended(self, resource: str) -> None:
-        """Called on the gRPC loop when a ListAndWatch stream ends while we are serving."""
-        with self._ended_lock:
-            self._ended.add(resource)
-        self.wake()  # the loop may sleep for a second: the re-registration must not wait for it
+    def _post(self, event: Callable[[], None]) -> None:
+        """From the gRPC loop: run ``event`` on the supervisor's thread at its next pass, which starts now."""
+        self._inbox.put(event)
+        self.wake()
 
-    def _unregister(self, name: str) -> None:
-        if name in self._registered:
-            self._registered.discard(name)
-            self._unregistered_since[name] = time.time()
-            self._changes += 1
+    def _stream_event(self, resource: str, server: PluginServer, what: str) -> None:
+        registration = next(r for r in self.registrations if r.name == resource)
+        self._post(lambda: registration.stream_event(server, what, time.monotonic()))
 
-    def _tick(self) -> None:
-        """One pass of the main loop: react to every kubelet and socket event, then (re)register."""
-        now = time.monotonic()
+    def _register_done(
+        self, registration: Registration, server: PluginServer, future: concurrent.futures.Future[None]
+    ) -> None:
+        self._post(lambda: registration.register_done(server, future))
+
+    def _watch_sockets(self, slow: bool) -> None:
+        """One pass of the socket watch: the kubelet's socket, the gRPC events, then every
+        registration's step ((re)serve, (re)register, hand over)."""
         kubelet = self._kubelet_identity()
         self._kubelet_present = kubelet is not None  # registration retries wait for it (dir watch)
         if kubelet is None:
@@ -619,122 +443,43 @@ class Supervisor:
             if self._kubelet_id is not None:
                 LOG.info("kubelet.sock re-created: kubelet restarted; registering every resource again")
                 self.hooks.kubelet_restarted()
+                for registration in self.registrations:
+                    registration.kubelet_restarted(kubelet[1])
             self._kubelet_id = kubelet
-            for server in self.servers:
-                self._unregister(server.pool.name)
-                self._register_backoff[server.pool.name].now_please()
-        ended: set[str] = set()
-        if self._ended:  # read without the lock: the common case, nothing ended
-            with self._ended_lock:
-                ended, self._ended = self._ended, set()
-        for name in sorted(ended):
-            self.hooks.stream_ended(name)
-            if name in self._registered:
-                LOG.warning(
-                    "the kubelet ended the ListAndWatch stream of %s; registering again", name, extra={"resource": name}
-                )
-                self._unregister(name)
-                self._register_backoff[name].wait_then_retry(now)
-        for server in self.servers:
-            self._keep_serving(server, now)
-        if kubelet is not None:
-            for server in self.servers:
-                name = server.pool.name
-                if server.serving and name not in self._registered and self._register_backoff[name].due(now):
-                    self._register(server, now)
-
-    def _keep_serving(self, server: PluginServer, now: float) -> None:
-        name = server.pool.name
-        state = server.state() if server.serving else "stopped"
-        if state == "ours":
-            return
-        if state == "replaced":
-            LOG.warning(
-                "another instance now serves %s at %s (a newer pod on this node); standing down without touching "
-                "its socket",
-                name,
-                server.path,
-                extra={"resource": name},
-            )
-            server.stop()
-            self._stood_down.add(name)
-            self._changes += 1
-            self._unregister(name)
-            return
-        if state == "missing":
-            LOG.info("plugin socket %s was removed; serving it again", server.path, extra={"resource": name})
-            server.stop()
-            self._unregister(name)
-        if name in self._stood_down:
-            if os.path.lexists(server.path):
-                return  # the other instance still serves it
-            LOG.info("the other instance's socket is gone; serving %s again", name, extra={"resource": name})
-            self._stood_down.discard(name)
-            self._changes += 1
-        backoff = self._serve_backoff[name]
-        if not backoff.due(now):
-            return
-        try:
-            server.start()
-        except (OSError, RuntimeError) as exc:
-            backoff.failed(now)
-            self.once.problem(
-                f"serve {name}",
-                "cannot serve %s at %s (%s); retrying with backoff up to 5 s",
-                name,
-                server.path,
-                exc,
-                extra={"resource": name},
-            )
-            return
-        backoff.succeeded()
-        self.once.cleared(f"serve {name}", f"serving {name} again", extra={"resource": name})
-        self._unregister(name)
-        self._register_backoff[name].now_please()
-
-    def _register(self, server: PluginServer, now: float) -> None:
-        name = server.pool.name
-        backoff = self._register_backoff[name]
-        try:
-            server.register()
-        except (grpc.RpcError, OSError) as exc:
-            detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-            backoff.failed(now)
-            self.once.problem(
-                f"register {name}",
-                "registration of %s with the kubelet failed: %s; retrying with backoff (0.5 s doubling to 5 s)",
-                name,
-                detail,
-                extra={"resource": name},
-            )
-            return
-        if backoff.failures:
-            LOG.info("registered %s after %d failed attempts", name, backoff.failures, extra={"resource": name})
-        self.once.cleared(f"register {name}")
-        backoff.succeeded()
-        self._registered.add(name)
-        self._unregistered_since.pop(name, None)
-        self._changes += 1
+        while True:
+            try:
+                event = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            event()
+        now = time.monotonic()  # after the events: a retry they scheduled "now" is due in this pass
+        for registration in self.registrations:
+            registration.step(now, self._kubelet_present, slow)
 
     def _write_health(self) -> None:
         if not self.health_file:
             return
-        if self._changes == self._health_said and time.time() - self._health_written < HEALTH_WRITE_SECONDS:
+        changes = sum(r.changes for r in self.registrations)
+        if changes == self._health_said and time.time() - self._health_written < HEALTH_WRITE_SECONDS:
             return
         # Stamped before writing: a failing write is retried at the same pace, not at every pass.
-        self._health_written, self._health_said = time.time(), self._changes
+        self._health_written, self._health_said = time.time(), changes
         health = self.config.health
         probe_max = max(10.0, 5 * max(health.interval_seconds, health.link_events_interval_seconds))
         doc = {
             "pid": os.getpid(),
+            "instance": sockets.INSTANCE,
             "time": time.time(),
             "loops": {
                 name: {"last": last, "max_age": probe_max if name == "probe" else 10.0}
                 for name, last in self.heartbeats.items()
             },
-            "registered": sorted(self._registered),
-            "stood_down": sorted(self._stood_down),
-            "unregistered_since": {n: t for n, t in self._unregistered_since.items() if n not in self._stood_down},
+            "registered": sorted(r.name for r in self.registrations if r.registered),
+            "stood_down": sorted(r.name for r in self.registrations if r.stood_down),
+            "unregistered_since": {
+                r.name: r.unregistered_since for r in self.registrations if r.unregistered_since is not None
+            },
+            "sockets": {r.name: r.server.socket_name for r in self.registrations if r.server is not None},
         }
         write_health(self.health_file, doc)
 
@@ -749,7 +494,7 @@ class Supervisor:
                 extra={
                     "resource": pool.name,
                     "mode": self.config.mode,
-                    "nics": ",".join(n["name"] for n in pool.nic_summary()),  # type: ignore[misc]
+                    "nics": ",".join(str(n["name"]) for n in pool.nic_summary()),
                     "devices": len(pool.snapshot()[1]),
                 },
             )
@@ -761,13 +506,17 @@ class Supervisor:
         try:
             self._loop()
         finally:
+            stopped = [r.stop() for r in self.registrations]
+            servers = [server for server, _ in stopped if server is not None]
+            stopping = [f for _, futures in stopped for f in futures]
             for pool in self.pools:
                 pool.close()
             self.discovery.close()
             for source in list(self._sources.values()):
                 self._watching(source, False)
-            for server in self.servers:
-                self._supervised("stop", server.stop)
+            self._supervised("stop", lambda: stop_all(servers, stopping, STOP_GRACE_SECONDS))
+            if self.discovery.features is not None:
+                self.discovery.features.remove()  # the node's NFD labels go with the plugin
             os.close(self._wake_r)
             os.close(self._wake_w)
             if self.health_file:
@@ -813,7 +562,7 @@ def serve(args: argparse.Namespace) -> int:
 
     if args.nfd_features_file:
         supervisor.discovery.features = nfd.FeatureFile(
-            args.nfd_features_file, config.mode, args.sysfs_root, args.procfs_root
+            args.nfd_features_file, config.mode, args.sysfs_root, args.procfs_root, config.rediscovery_interval_seconds
         )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -827,7 +576,7 @@ def serve(args: argparse.Namespace) -> int:
         "starting",
         extra={
             "mode": config.mode,
-            "resources": ",".join(r.name for r in config.resources),
+            "resources": ",".join(p.name for p in supervisor.pools),
             "config": args.config or "(built-in defaults)",
             "note": "the mode is read at start; a config with another mode takes effect on restart",
         },

@@ -1,0 +1,127 @@
+"""Handover figure: how long the kubelet shows allocatable 0 while a new plugin instance takes over.
+
+A DaemonSet rolling update (or a mode switch) runs the new pod next to the old one for a moment.
+This bench does exactly that against the kubelet's own device manager (``kubelet-dm-serve``,
+Kubernetes v1.32.10: the 1.28-1.34 re-registration behaviour of kubernetes issues 121994/127803),
+which records capacity and allocatable every 2 ms (``record_start``/``record_stop``):
+
+- plain: the new instance starts and registers while the old one runs; then the old one gets SIGTERM
+  (the DaemonSet controller deletes the old pod once the new one is ready: 1 s after it registered);
+- slow: the old instance is paused (SIGSTOP) from the moment the new one starts until 0.3 s after
+  the new one registered (a CPU-throttled pod), then continues (SIGCONT) and gets SIGTERM.
+
+Per handover the figure is the longest stretch with allocatable 0 from the new instance's start to
+0.3 s after the old one exited. Run from the repository root:
+
+    .venv/bin/python bench/bench_handover.py            # 20 plain + 20 slow handovers
+    .venv/bin/python bench/bench_handover.py --runs 5   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from rdma_device_plugin.kubesim.real import RealKubelet, find_binary, longest_zero_window
+from rdma_device_plugin.node import fixtures
+from report import load_average, pct
+
+RES = "rdma/hca"
+PAUSE_SECONDS = 0.3
+SETTLE_SECONDS = 0.3
+READY_SECONDS = 1.0  # from the new instance's registration to the old pod's deletion
+
+
+class Instances:
+    """Plugin processes on one fixture node and one device-plugin dir, as pods of one DaemonSet."""
+
+    def __init__(self, tmp: str, node: fixtures.FixtureNode, dp: str) -> None:
+        self.tmp, self.node, self.dp = tmp, node, dp
+        self.count = 0
+
+    def start(self) -> tuple[subprocess.Popen[bytes], str]:
+        self.count += 1
+        log = os.path.join(self.tmp, f"plugin{self.count}.log")
+        cmd = [sys.executable, "-m", "rdma_device_plugin", "serve", "--sysfs-root", self.node.sysfs]
+        cmd += ["--dev-root", self.node.dev, "--procfs-root", self.node.procfs, "--device-plugin-dir", self.dp]
+        cmd += ["--health-file", os.path.join(self.tmp, f"health{self.count}.json")]
+        with open(log, "wb") as fh:
+            return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT), log
+
+
+def handover(kubelet: RealKubelet, instances: Instances, old: subprocess.Popen[bytes], slow: bool) -> tuple[float, Any]:
+    """One handover from ``old`` to a new instance; (longest allocatable-0 window in ms, the new one)."""
+    registrations = kubelet.registration_count(RES)
+    kubelet.record_start()
+    if slow:
+        old.send_signal(signal.SIGSTOP)
+    new, log = instances.start()
+    try:
+        if not kubelet.wait_registered(RES, count=registrations + 1, timeout=60):
+            raise RuntimeError(f"the new instance did not register; see {log}")
+        if slow:
+            time.sleep(PAUSE_SECONDS)
+    finally:
+        if slow:
+            old.send_signal(signal.SIGCONT)
+    # The DaemonSet controller deletes the old pod once the new one is ready (its readiness probe).
+    time.sleep(READY_SECONDS)
+    old.terminate()
+    old.wait(30)
+    time.sleep(SETTLE_SECONDS)
+    if not kubelet.wait_allocatable(RES, 1000, timeout=30):
+        raise RuntimeError(f"allocatable did not come back after the handover; see {log}")
+    record = kubelet.record_stop()
+    return longest_zero_window(record["transitions"], RES, float(record["ms"])), new
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--runs", type=int, default=20, help="handovers of each kind (default 20)")
+    args = parser.parse_args(argv)
+    binary, why = find_binary()
+    if binary is None:
+        print(f"skipped: {why}", file=sys.stderr)
+        return 2
+    print(f"load average at start: {load_average()}", flush=True)
+    tmp = tempfile.mkdtemp(prefix="rdph-", dir="/tmp")
+    node = fixtures.write_node(os.path.join(tmp, "node"), fixtures.lingjun_node(nics=4))
+    dp = os.path.join(tmp, "dp")
+    kubelet = RealKubelet(dp, binary=binary, klog=os.path.join(tmp, "kubelet.log")).start()
+    instances = Instances(tmp, node, dp)
+    current, _ = instances.start()
+    figures: dict[str, list[float]] = {"plain": [], "slow": []}
+    try:
+        if not kubelet.wait_registered(RES, timeout=60):
+            raise RuntimeError("the first instance did not register")
+        for kind in ("plain", "slow"):
+            for i in range(args.runs):
+                gap, current = handover(kubelet, instances, current, slow=kind == "slow")
+                figures[kind].append(gap)
+                print(f"{kind} {i + 1}/{args.runs}: longest allocatable 0 = {gap:.1f} ms", file=sys.stderr, flush=True)
+    finally:
+        if current.poll() is None:
+            current.terminate()
+            current.wait(30)
+        kubelet.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print("### Handover: longest time the kubelet shows allocatable 0 (real device manager v1.32.10, ms)")
+    print()
+    print("| what | runs | p50 | p99 | max |")
+    print("|---|---|---|---|---|")
+    for kind, values in figures.items():
+        print(f"| {kind} | {len(values)} | {pct(values, 50):.1f} | {pct(values, 99):.1f} | {max(values):.1f} |")
+    print(f"\nload average at the end: {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

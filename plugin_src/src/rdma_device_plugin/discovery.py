@@ -1,0 +1,233 @@
+"""Discovery: what the node has, fed to the pools.
+
+A full re-list (``node/sysfs.read_nics``) when the set of RDMA devices changes, a port read fails,
+a NIC is still incomplete (its uverbs node not created yet) or ``rediscoveryIntervalSeconds``
+passes; between re-lists the cheap port probe (one ``pread`` per port, compared with the last
+bytes before any parsing). Whether a NIC is usable is decided by the one health rule
+(:mod:`.health`), applied by the pools; discovery logs each NIC whose health changed, the way a
+person reads it. It also keeps the CDI specs, the NFD feature file and the link-event coverage
+current at every re-list.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from . import affinity, cdi, events, nfd, numa_pools
+from .config import PluginConfig
+from .health import NicHealth
+from .node import sysfs
+from .resources import ResourcePool
+from .server import Hooks
+from .supervision import LogOnce
+from .verbs import VerbsProbe
+
+LOG = logging.getLogger(__name__)
+
+
+class Discovery:
+    """Feeds the pools from sysfs: full re-list on change or timer, cheap port probe otherwise."""
+
+    def __init__(
+        self,
+        config: PluginConfig,
+        pools: list[ResourcePool],
+        sysfs_root: str,
+        dev_root: str,
+        verbs: VerbsProbe | None = None,
+        hooks: Hooks | None = None,
+    ):
+        self.config = config
+        self.pools = pools
+        self.sysfs_root = sysfs_root
+        self.dev_root = dev_root
+        self.verbs = verbs  # port states through pyverbs when it lists devices, else sysfs
+        self.hooks = hooks or Hooks()
+        self.cdi: dict[str, cdi.SpecWriter] = {}  # resource name -> its CDI spec (cdi.enabled)
+        self._names: list[str] = []
+        self._problems: dict[str, tuple[str, ...]] = {}
+        self._incomplete = False
+        self._last_full = 0.0
+        self._unreadable: dict[str, str] = {}  # this re-list's unidentifiable devices -> why
+        self._unreadable_logged: dict[str, str] = {}
+        self._log_once = LogOnce(LOG)
+        self._ports: sysfs.PortStateReader | None = None  # fast probe: open port-state files (issue 15)
+        self._states: dict[str, tuple[str, ...] | None] | None = None  # last states applied
+        self.features: nfd.FeatureFile | None = None  # --nfd-features-file (issue 15)
+        self.coverage = events.LinkCoverage(frozenset(), ())  # set by every re-list
+        self.affinity = affinity.NodeAffinity({}, (), {})  # GPUs per served NIC, read at every re-list
+
+    def _skipped(self, name: str, reason: str) -> None:
+        """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
+        self._unreadable[name] = reason
+        if self._unreadable_logged.get(name) != reason:
+            self._unreadable_logged[name] = reason
+            LOG.warning("RDMA device %s left out: %s", name, reason, extra={"nic": name})
+
+    def owners(self, nics: list[sysfs.Nic]) -> dict[str, list[str]]:
+        """NIC name -> the resources whose selectors select it, in config order."""
+        out: dict[str, list[str]] = {}
+        for pool in self.pools:
+            for nic in pool.selectors.select(nics):
+                out.setdefault(nic.name, []).append(pool.name)
+        return out
+
+    def exclusive_overlaps(self, nics: list[sysfs.Nic]) -> list[str]:
+        """Exclusive mode: a NIC selected by two resources would go "exclusively" to two pods."""
+        if self.config.mode != "exclusive":
+            return []
+        return [
+            f"in exclusive mode NIC {name} is selected by resources {', '.join(owners)}; make their selectors "
+            "disjoint (e.g. rdmaDevices or ifNames per resource)"
+            for name, owners in sorted(self.owners(nics).items())
+            if len(owners) > 1
+        ]
+
+    def full(self) -> list[sysfs.Nic]:
+        self._unreadable = {}
+        names = sysfs.list_rdma_devices(self.sysfs_root)
+        nics = sysfs.read_nics(self.sysfs_root, self.dev_root, on_skip=self._skipped)
+        for gone in set(self._unreadable_logged) - set(self._unreadable):
+            del self._unreadable_logged[gone]
+        problems = {n.name: n.problems for n in nics if n.problems}
+        for name, found in problems.items():
+            if self._problems.get(name) != found:  # log a problem once, not at every re-list
+                for problem in found:
+                    LOG.warning("NIC problem", extra={"nic": name, "problem": problem})
+        self._problems = problems
+        # Every listed name, readable or not: an unreadable device must not look like a change
+        # (and force a full re-list) at every probe.
+        self._names = names
+        self._last_full = time.monotonic()
+        owners = self.owners(nics) if self.config.mode == "exclusive" else {}
+        for name, res in sorted(owners.items()):
+            if len(res) > 1:
+                self._log_once.problem(
+                    f"overlap {name}",
+                    "NIC %s is selected by resources %s in exclusive mode; only %s gets it",
+                    name,
+                    ", ".join(res),
+                    res[0],
+                    level=logging.ERROR,
+                )
+        for pool in self.pools:
+            mine = [n for n in nics if owners.get(n.name, [pool.name])[0] == pool.name]
+            before = pool.health_state()
+            if pool.set_nics(mine):
+                LOG.info("devices changed", extra={"resource": pool.name, "nics": pool.nic_summary()})
+            self._log_health(pool, before)
+        # A selected NIC whose uverbs node is not there yet (udev still creating it) is
+        # re-read at every probe, so it becomes usable without waiting for the rediscovery timer.
+        self._incomplete = any(
+            nic.uverbs is None or not nic.uverbs.present for pool in self.pools for nic in pool.present_nics()
+        )
+        self.hooks.rediscovered()
+        self.hooks.nics_found(nics)
+        served = sorted({n.name: n for pool in self.pools for n in pool.present_nics()}.values(), key=lambda n: n.name)
+        self._say_numa_less()
+        self.affinity = affinity.read(self.sysfs_root, served)
+        self.hooks.affinity_found(self.affinity)
+        if self.features is not None:
+            self.features.update(served, self.affinity)
+        self.coverage = events.link_coverage(
+            [n for pool in self.pools for n in pool.present_nics()],
+            lambda netdev: sysfs.netdev_ifindex(self.sysfs_root, netdev),
+        )
+        self._open_ports([n for n in names if n not in self._unreadable])
+        if self.verbs is not None and self.verbs.available():
+            self._states = None  # set_nics applied sysfs states: pyverbs' must be applied again
+            self._apply_states(self.port_states(self._names) or {})
+        else:
+            self._states = {n.name: tuple(p.state for p in n.ports) for n in nics}
+            self.hooks.port_states(self._states)
+        for pool in self.pools:
+            writer = self.cdi.get(pool.name)
+            if writer is not None:
+                try:
+                    writer.update(pool.present_nics())
+                except OSError as exc:
+                    LOG.error("cannot write CDI spec", extra={"path": writer.path, "error": str(exc)})
+        return nics
+
+    def _say_numa_less(self) -> None:
+        """numaPools: a selected NIC without a NUMA node is in no per-NUMA pool (said once)."""
+        selected = {p.spec.configured: p.present_nics() for p in self.pools if p.spec.kind == numa_pools.WHOLE}
+        lines = numa_pools.without_numa([p.spec for p in self.pools], selected)
+        for line in lines:
+            self._log_once.problem(f"numa-less {line}", "%s", line)
+        for key in [k for k in self._log_once.pending if k.startswith("numa-less ") and k[10:] not in lines]:
+            self._log_once.cleared(key)
+
+    def _open_ports(self, names: list[str]) -> None:
+        if self._ports is not None:
+            self._ports.close()
+        self._ports = sysfs.PortStateReader(self.sysfs_root, names)
+
+    def close(self) -> None:
+        if self._ports is not None:
+            self._ports.close()
+            self._ports = None
+
+    def port_states(self, names: list[str]) -> dict[str, tuple[str, ...] | None] | None:
+        """From pyverbs when available (sysfs for NICs it does not know), else from the open sysfs
+        port-state files; None when one of those reads failed (the caller re-lists)."""
+        if self.verbs is not None and self.verbs.available():
+            states = self.verbs.port_states(names)
+            missing = [n for n in names if n not in states]
+            if missing:
+                states.update(sysfs.read_port_states(self.sysfs_root, missing))
+            return states
+        if self._ports is None:
+            return sysfs.read_port_states(self.sysfs_root, names)
+        return self._ports.read()
+
+    def _apply_states(self, states: dict[str, tuple[str, ...] | None]) -> None:
+        if states == self._states:
+            return  # nothing changed: the common case at every fast probe
+        self._states = states
+        for pool in self.pools:
+            before = pool.health_state()
+            pool.set_port_states(states)
+            self._log_health(pool, before)
+        self.hooks.port_states(states)  # after the pools: the status file re-reads them on this hook
+
+    @staticmethod
+    def _log_health(pool: ResourcePool, before: dict[str, NicHealth]) -> None:
+        """One line per NIC whose health changed, as a person reads it:
+        ``mlx5_bond_1 port 1 DOWN: rdma/hca Unhealthy (policy all)``."""
+        if not before:
+            return  # first discovery: "resource ready" says it
+        for line in pool.health_changes(before):
+            LOG.info("health changed: %s", line, extra={"resource": pool.name})
+
+    def check_devices(self) -> None:
+        """Re-list the NICs when the set of RDMA devices changed (hot-plug, removal), one is still
+        incomplete, or the rediscovery interval passed."""
+        names = sysfs.list_rdma_devices(self.sysfs_root)
+        due = time.monotonic() - self._last_full >= self.config.rediscovery_interval_seconds
+        if names != self._names or due or self._incomplete:
+            if names != self._names:
+                LOG.info("RDMA devices changed on the node", extra={"before": self._names, "after": names})
+            self.full()
+
+    def unchanged(self) -> bool:
+        """The idle fast probe: True when every port reads as last applied (one pread per port,
+        no parsing). False for anything else (a change, a failed read, pyverbs, unreadable NICs):
+        :meth:`probe` then does the full work, reading the same values again."""
+        ports = self._ports
+        if ports is None or self._unreadable or (self.verbs is not None and self.verbs.available()):
+            return False
+        return ports.read() == self._states
+
+    def probe(self) -> None:
+        """Port states only, one pread per port: the frequent step. A removed NIC fails its reads
+        and is re-listed at once; an added one waits for :meth:`check_devices` (once a second)."""
+        names = self._names
+        states = self.port_states([n for n in names if n not in self._unreadable] if self._unreadable else names)
+        if states is None:
+            failed = self._ports.failed if self._ports is not None else ""
+            LOG.info("a port state read failed; re-listing the NICs", extra={"error": failed})
+            self.full()
+            return
+        self._apply_states(states)

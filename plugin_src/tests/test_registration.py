@@ -1,0 +1,160 @@
+"""Pieces of the registration state machine: socket names, the stream-end backoff, the
+ListAndWatch message serialized once per change."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from rdma_device_plugin import server, sockets
+from rdma_device_plugin.api import deviceplugin_pb2 as pb
+from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
+from rdma_device_plugin.config import PluginConfig, load_config_text
+from rdma_device_plugin.node import fixtures, sysfs
+from rdma_device_plugin.resources import build_pools
+from rdma_device_plugin.server import PluginServer, SnapshotFeed
+from rdma_device_plugin.supervision import BACKOFF_INITIAL_SECONDS, REPEAT_SECONDS, Backoff
+
+NAME_IN_A_PID_NAMESPACE = (
+    "from rdma_device_plugin import sockets; import os; print(os.getpid(), sockets.socket_name('rdma/hca', 0))"
+)
+
+
+def test_socket_names_parse_and_order_by_instance_start() -> None:
+    name = sockets.socket_name("rdma/hca.v2", 3)
+    parsed = sockets.parse(name)
+    assert parsed is not None and parsed.base == "rdma-dp-rdma_hca-v2" and parsed.start == 3
+    assert parsed.instance == sockets.INSTANCE
+    older = sockets.parse(sockets.socket_name("rdma/hca", 7, instance="0" * 20))
+    newer = sockets.parse(sockets.socket_name("rdma/hca", 0, instance="f" * 20))
+    assert older is not None and newer is not None and older < newer
+    for other in ("kubelet.sock", "rdma-dp-rdma_hca.sock", "rdma-dp-rdma_hca.xyz.0.sock", "rdma-dp-x.1234.0.sock"):
+        assert sockets.parse(other) is None
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare (util-linux) is not installed")
+def test_two_instances_that_are_pid_1_in_their_pid_namespace_get_different_names() -> None:
+    """The plugin is PID 1 in every pod: a name built from the PID (the temporary names were
+    `.{pid}.{n}`) is the same in every instance."""
+    names = set()
+    for _ in range(2):
+        run = subprocess.run(
+            ["unshare", "--pid", "--fork", sys.executable, "-c", NAME_IN_A_PID_NAMESPACE],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if run.returncode != 0:
+            pytest.skip(f"no PID namespace here: {run.stderr.strip()}")
+        pid, name = run.stdout.split()
+        assert pid == "1"
+        names.add(name)
+    assert len(names) == 2, names
+    assert all(sockets.parse(n) is not None for n in names)
+
+
+def test_socket_paths_that_do_not_fit_are_refused_with_the_longest_name() -> None:
+    from rdma_device_plugin.config import socket_path_problems
+
+    config = load_config_text("resources: [{name: rdma/hca}]", "test")
+    fits = "/" + "d" * (107 - len("/rdma-dp-rdma_hca") - sockets.MAX_SUFFIX_LENGTH - 1)
+    assert not socket_path_problems(config, fits)
+    (problem,) = socket_path_problems(config, fits + "x")
+    assert "unix sockets allow 107: shorten the resource name or the device-plugin dir" in problem
+
+
+def test_a_stream_end_is_registered_again_at_once_and_repeats_back_off() -> None:
+    backoff = Backoff()
+    assert backoff.cut(100.0) == 0.0 and backoff.due(100.0)
+    assert backoff.cut(101.0) == BACKOFF_INITIAL_SECONDS  # again within REPEAT_SECONDS: a repeat
+    assert backoff.cut(102.0) == 2 * BACKOFF_INITIAL_SECONDS
+    assert backoff.cut(102.0 + REPEAT_SECONDS + 0.1) == 0.0, "a stream end long after the last is a first"
+
+
+def test_listandwatch_is_serialized_once_per_change_for_every_stream(
+    node: fixtures.FixtureNode, dp_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ten open streams, three health changes: every stream gets the same bytes, encoded once (they
+    were built and serialized per stream, on the loop that answers Allocate: 40 encodings here)."""
+    calls: list[int] = []
+    encode = server.encode_snapshot
+
+    def counting(devices: Any) -> bytes:
+        calls.append(len(devices))
+        return encode(devices)
+
+    monkeypatch.setattr(server, "encode_snapshot", counting)
+    pool = build_pools(PluginConfig())[0]
+    pool.set_nics(sysfs.read_nics(node.sysfs, node.dev))
+    plugin = PluginServer(pool, SnapshotFeed(pool), str(dp_dir), "feed.sock")
+    plugin.start()
+    received: list[list[bytes]] = []
+
+    async def watch(n: int) -> None:
+        async with grpc.aio.insecure_channel(f"unix://{plugin.path}") as ch:
+            stream = pb_grpc.DevicePluginStub(ch).ListAndWatch(pb.Empty())
+            got: list[bytes] = []
+            async for msg in stream:
+                got.append(msg.SerializeToString())
+                if len(got) == n:
+                    break
+            received.append(got)
+
+    async def run() -> None:
+        watchers = [asyncio.ensure_future(watch(4)) for _ in range(10)]
+        while plugin.open_streams() < 10:
+            await asyncio.sleep(0.01)
+        for state in ("DOWN", "ACTIVE", "DOWN"):
+            node.set_port_state("mlx5_bond_1", state)
+            await asyncio.to_thread(pool.set_port_states, sysfs.read_port_states(node.sysfs, ["mlx5_bond_1"]))
+            await asyncio.sleep(0.2)
+        await asyncio.wait_for(asyncio.gather(*watchers), 60)
+
+    try:
+        asyncio.run(run())
+    finally:
+        plugin.stop()
+    # All Healthy, then all Unhealthy; flipping back reuses the first: at most one encoding per
+    # change (per distinct device list), not one per stream.
+    assert calls == [1000, 1000], "one encoding per device list, whatever the number of streams"
+    assert len(received) == 10 and all(r == received[0] for r in received)
+    healthy = [sum(d.health == "Healthy" for d in pb.ListAndWatchResponse.FromString(m).devices) for m in received[0]]
+    assert healthy == [1000, 0, 1000, 0]
+
+
+def test_the_real_kubelet_is_looked_for_in_order_and_its_absence_says_where(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from rdma_device_plugin.kubesim import real
+
+    monkeypatch.setenv(real.ENV_BINARY, str(tmp_path / "nope"))
+    binary, why = real.find_binary()
+    assert binary is None and f"${real.ENV_BINARY}={tmp_path / 'nope'} is not an executable file" in why
+    monkeypatch.delenv(real.ENV_BINARY)
+    missing = (tmp_path / "a" / real.BINARY_NAME, tmp_path / "b" / real.BINARY_NAME)
+    monkeypatch.setattr(real, "SEARCH_PATHS", missing)
+    binary, why = real.find_binary()
+    assert binary is None and str(missing[0]) in why and str(missing[1]) in why and real.ENV_BINARY in why
+    found = tmp_path / "b" / real.BINARY_NAME
+    found.parent.mkdir()
+    found.write_text("#!/bin/sh\n", encoding="utf-8")
+    found.chmod(0o755)
+    assert real.find_binary() == (str(found), "")
+
+
+def test_the_longest_allocatable_0_window_of_a_recording() -> None:
+    from rdma_device_plugin.kubesim.real import longest_zero_window
+
+    up = {"running": True, "allocatable": {"rdma/hca": 1000}}
+    down = {"running": True, "allocatable": {"rdma/hca": 0}}
+    stopped = {"running": False}
+    transitions = [{**up, "ms": 0}, {**down, "ms": 10}, {**up, "ms": 15}, {**stopped, "ms": 40}, {**up, "ms": 52}]
+    assert longest_zero_window(transitions, "rdma/hca", 100) == 12  # no kubelet running counts as 0
+    assert longest_zero_window([*transitions, {**down, "ms": 80}], "rdma/hca", 100) == 20  # still 0 at the end

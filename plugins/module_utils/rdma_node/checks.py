@@ -1,0 +1,84 @@
+"""The outcome of one node check, the one shape every check module returns (standard library only).
+
+:mod:`.nicchecks`, :mod:`.ipv6checks` and :mod:`.healthchecks` return :class:`Check`; the
+``rdma_node_info`` module turns them into report rows and the plugin's start checks into log
+lines. A check names what it looked at (RDMA device, netdev, GPU), says what it saw and, when it
+failed, the fix. A check whose source is missing is *not checked*: it says why, never passes
+silently and does not fail the node (unless the caller asks for that, see ``skipped``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Check:
+    """The outcome of one check: what was found (``detail``) and, when failed, the fix."""
+
+    name: str  # a stable check name (each check module lists its own)
+    nic: str  # RDMA device name, "" for node-wide checks
+    netdev: str  # netdev checked, "" when none applies
+    passed: bool
+    detail: str  # the problem when failed, what was seen when passed, why when skipped
+    fix: str = ""  # "" when passed or skipped
+    label: str | None = None  # message prefix; None = "<nic> (<netdev>)" or "GPU <gpu>", "" = none
+    gpu: str = ""  # PCI address of the GPU checked, "" when none
+    skipped: bool = False  # not checked: the source is missing (``detail`` says why); ``passed`` is True
+
+    @property
+    def problem(self) -> str:
+        return "" if self.passed else self.detail
+
+    @property
+    def status(self) -> str:
+        """``passed``, ``failed`` or ``not checked``."""
+        return "not checked" if self.skipped else "passed" if self.passed else "failed"
+
+    def message(self) -> str:
+        """``<nic> (<netdev>): <detail>``, ``not checked: <why>`` when skipped, plus ``. Fix: <fix>`` when failed."""
+        label = self.label
+        if label is None:
+            if self.gpu:
+                label = f"GPU {self.gpu}"
+            else:
+                label = f"{self.nic} ({self.netdev})" if self.nic and self.netdev else self.nic or self.netdev
+        detail = f"not checked: {self.detail}" if self.skipped else self.detail
+        text = f"{label}: {detail}" if label else detail
+        return text if self.passed else f"{text}. Fix: {self.fix}"
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain data for JSON output and Ansible facts (``nic``, ``netdev`` and ``gpu`` null when none)."""
+        return {
+            "name": self.name,
+            "nic": self.nic or None,
+            "netdev": self.netdev or None,
+            "gpu": self.gpu or None,
+            "passed": self.passed,
+            "skipped": self.skipped,
+            "problem": self.problem,
+            "fix": self.fix,
+            "message": self.message(),
+        }
+
+
+def skipped(name: str, why: str, nic: str = "", netdev: str = "", gpu: str = "", label: str | None = None) -> Check:
+    """A check that could not be made: ``passed`` so that it fails no node, ``skipped`` so that no
+    report counts it as a pass, ``why`` saying which source is missing."""
+    return Check(name, nic, netdev, True, why, "", label=label, gpu=gpu, skipped=True)
+
+
+def strict(check: Check, fix: str) -> Check:
+    """``check`` with a skip turned into a failure (the caller demands every check be made)."""
+    if not check.skipped:
+        return check
+    return Check(
+        check.name,
+        check.nic,
+        check.netdev,
+        False,
+        f"could not be checked: {check.detail}",
+        fix,
+        label=check.label,
+        gpu=check.gpu,
+    )
