@@ -120,3 +120,16 @@ def test_a_second_simulator_on_one_directory_refuses(tmp_path: Path) -> None:
     finally:
         first.terminate()
         first.wait(timeout=30)
+
+
+def test_verify_shows_the_nccl_env_a_pod_gets(local: Path) -> None:
+    """verify allocates one device and prints what the pod got: its NICs in NCCL's exact-match form
+    and the UCX devices (issue 23: the env computed from exactly the allocated NICs)."""
+    deploy = run_playbook("playbooks/deploy.yml", "-i", str(local))
+    assert deploy.returncode == 0, deploy.stdout[-3000:]
+    verify = run_playbook("playbooks/verify.yml", "-i", str(local))
+    out = " ".join(verify.stdout.split())
+    assert verify.returncode == 0, out[-3000:]
+    nics = ",".join(f"mlx5_bond_{i}" for i in range(4))  # shared mode: every NIC of the fixture node
+    assert f"NCCL_IB_HCA=={nics} " in out, out[-3000:]  # key=value, the value's "=" is NCCL's exact match
+    assert "UCX_NET_DEVICES=mlx5_bond_0:1," in out, out[-3000:]
