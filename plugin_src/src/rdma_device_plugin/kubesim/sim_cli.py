@@ -4,9 +4,10 @@
 simulated kubelet would report (capacity and allocatable per resource) as JSON to
 ``--status-file`` whenever it changes, answers requests on a control socket, and exits on
 SIGTERM/SIGINT (removing the status file). One simulator per directory, as one kubelet per
-node: ``run`` holds a lock on ``<dir>/kubelet-sim.lock`` (which names its pid) and exits with
-code 2, naming the running one, when another simulator holds it. ``allocate`` and ``status`` are clients of the
-control socket: ``allocate`` admits one container asking for ``--count`` devices, the way the
+node: ``run`` holds a lock on ``<dir>.kubelet-sim.lock``, beside the dir (the kubelet empties the
+dir at start), which names its pid, and exits with code 2, naming the running one, when another
+simulator holds it. ``allocate`` and ``status`` are clients of the control socket: ``allocate``
+admits one container asking for ``--count`` devices, the way the
 kubelet's device manager does, and prints what the container receives.
 
     python -m rdma_device_plugin.sim_cli --dir DIR --status-file FILE
@@ -30,7 +31,7 @@ from typing import Any
 from .kubelet import AllocationFailed, KubeletSimulator
 
 CONTROL_SOCKET = "kubelet-sim.ctl"
-LOCK_FILE = "kubelet-sim.lock"
+LOCK_SUFFIX = ".kubelet-sim.lock"  # beside the dir: the kubelet's start-up cleanup empties the dir itself
 
 
 class AlreadyRunning(RuntimeError):
@@ -40,7 +41,7 @@ class AlreadyRunning(RuntimeError):
 def hold_dir(device_plugin_dir: str) -> int:
     """Take the directory's lock (released when the process ends) and write this pid into it."""
     os.makedirs(device_plugin_dir, exist_ok=True)
-    path = os.path.join(device_plugin_dir, LOCK_FILE)
+    path = device_plugin_dir.rstrip("/") + LOCK_SUFFIX
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
