@@ -91,3 +91,42 @@ def test_rollup_counts_versions_and_drift() -> None:
     assert "kernel" not in facets  # not reported by the node read: no column
     md = fleet.rollup_markdown(r)
     assert "| RoCE v2 GID index | 3 (2), 5 (1) | DRIFT: c" in md and "['" not in md
+
+
+def _node(fw: str = "28.39.1002", ofed: str = "24.10-1.1.4", kernel: str = "5.15.0-119-generic", gid: int = 3) -> dict:
+    """A validated entry as the report holds it: NIC and node-health summary (gid_index per NIC)."""
+    gids = {"mlx5_bond_0": gid, "mlx5_bond_1": gid}
+    summary = {"firmware": [fw], "driver_version": ofed, "kernel": kernel, "nic_count": 4, "gid_index": gids}
+    summary["roce_v2_gid_index"] = {"mlx5_bond_0": 9}  # the IPv6 read's: the health read's wins
+    checks = [{"name": "port_state", "passed": True}]
+    return {"validated": True, "passed": True, "checks": checks, "summary": summary}
+
+
+def test_drift_names_the_odd_nodes_out_with_value_fleet_value_and_fix() -> None:
+    nodes = {f"n{i}": _node() for i in range(4)}
+    nodes["old"] = _node(fw="28.36.1010", ofed="5.8-1.0.1.1")
+    nodes["gid"] = _node(gid=5)
+    nodes["down"] = {"validated": False, "passed": False, "checks": [], "summary": {}}
+    found = fleet.drift(nodes, "fail")
+    assert sorted(found) == ["gid", "old"]
+    assert [r["name"] for r in found["old"]] == ["drift_firmware", "drift_driver"]
+    assert [r["name"] for r in found["gid"]] == ["drift_gid_index"]  # the health read's index, not the IPv6 one
+    row = found["old"][0]
+    assert row["passed"] is False and row["role"] == "fleet_drift" and row["nic"] is None
+    assert row["message"].startswith(
+        "firmware 28.36.1010 differs across the fleet: the fleet's most common is 28.39.1002 (5 of 6 nodes). "
+        "Fix: flash the fleet's firmware"
+    )
+    warned = fleet.drift(nodes, "warn")
+    assert all(r["passed"] and r["warning"] for rows in warned.values() for r in rows)
+    assert fleet.drift(nodes, "ignore") == {}
+    with pytest.raises(ValueError, match="drift mode 'off' is not one of warn, fail, ignore"):
+        fleet.drift(nodes, "off")
+
+
+def test_drift_on_a_tie_names_every_node_and_one_node_never_drifts() -> None:
+    tie = fleet.drift({"a": _node(kernel="5.15"), "b": _node(kernel="6.8")}, "fail")
+    message = tie["a"][0]["message"]
+    assert sorted(tie) == ["a", "b"]
+    assert "no single most common value across the fleet: 5.15 on 1 node(s), 6.8 on 1" in message
+    assert fleet.drift({"a": _node(fw="28.36.1010")}, "fail") == {}
