@@ -130,3 +130,24 @@ def test_drift_on_a_tie_names_every_node_and_one_node_never_drifts() -> None:
     assert sorted(tie) == ["a", "b"]
     assert "no single most common value across the fleet: 5.15 on 1 node(s), 6.8 on 1" in message
     assert fleet.drift({"a": _node(fw="28.36.1010")}, "fail") == {}
+
+
+def test_report_drift_rows_are_judged_again_at_every_run() -> None:
+    from ansible_collections.lingjun.rdma.plugins.modules import rdma_validation_report as report
+
+    def fact(fw: str) -> dict:
+        entry = _node(fw=fw)
+        return {"validated": True, "checks": entry["checks"], "summary": entry["summary"]}
+
+    hosts = ["a", "b", "c"]
+    first = report.build({}, hosts, {"a": fact("28.39.1002"), "b": fact("28.39.1002"), "c": fact("28.36.1010")},
+                         {}, "2026-12-01", drift_mode="fail")  # fmt: skip
+    assert first.pop("drift") == {"c": first["nodes"]["c"]["checks"][-1:]}
+    assert first["nodes"]["c"]["failed"] == ["drift_firmware"] and first["failed"] == ["c"]
+    md = report.markdown(first)
+    assert "| c | FAIL |" in md and "- **drift_firmware**: firmware 28.36.1010 differs" in md
+    # c flashed, only c validated again (--limit): its drift row goes, a and b keep their entries
+    second = report.build(first, ["c"], {"c": fact("28.39.1002")}, {}, "2026-12-02", drift_mode="fail")
+    assert second.pop("drift") == {} and second["failed"] == [] and second["passed"] == 3
+    warned = report.build({}, hosts, {"a": fact("1"), "b": fact("1"), "c": fact("2")}, {}, "2026-12-01")
+    assert warned["nodes"]["c"]["passed"] and "(warning)" in report.markdown(warned)
