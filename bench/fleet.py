@@ -38,6 +38,10 @@ table into bench/RESULTS.md (section "Ansible fleet").
 
     .venv/bin/python bench/fleet.py --hosts 120 [--hosts 1000] [--forks 20] [--write-results]
     .venv/bin/python bench/fleet.py --hosts 5000 --phase validate --fake-facts   # memory
+    .venv/bin/python bench/fleet.py --hosts 120 --phase ping --phase validate \
+        --validate-var rdma_nic_validate_health=false   # the NIC checks only, to compare (node health costs)
+
+Validate runs every node-health check but the active perftest (the defaults of rdma_nic_validate).
 """
 
 from __future__ import annotations
@@ -221,7 +225,14 @@ def fake_collection(base: Path) -> Path:
     return base / "fake-collections"
 
 
-def bench(hosts: int, forks: int, phases: list[str], fake_facts: bool, keep: Path | None = None) -> list[Figure]:
+def bench(
+    hosts: int,
+    forks: int,
+    phases: list[str],
+    fake_facts: bool,
+    keep: Path | None = None,
+    validate_vars: tuple[str, ...] = (),
+) -> list[Figure]:
     env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FORKS=str(forks), ANSIBLE_NOCOLOR="1")
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
     playbook = [str(VENV_BIN / "ansible-playbook")]
@@ -251,7 +262,9 @@ def bench(hosts: int, forks: int, phases: list[str], fake_facts: bool, keep: Pat
             if "validate" in phases:
                 validate = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "validate.yml")]
                 validate += ["-e", "rdma_validation_enforce=false"]
-                figures.append(run("validate" + suffix, validate, hosts, env, base / "validate.log")[0])
+                validate += [arg for var in validate_vars for arg in ("-e", var)]
+                label = "validate" + suffix + "".join(f" ({var})" for var in validate_vars)
+                figures.append(run(label, validate, hosts, env, base / "validate.log")[0])
                 check_validate(base, hosts, broken, cluster)
             if "deploy" in phases:
                 deploy = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "deploy.yml")]
@@ -353,13 +366,19 @@ def main() -> None:
         action="store_true",
         help="validate with the rdma_node_info stand-in (bench/fleet_plugins): controller memory at 5000 hosts",
     )
+    parser.add_argument(
+        "--validate-var",
+        action="append",
+        default=[],
+        help="an -e NAME=VALUE for validate (repeatable), e.g. rdma_nic_validate_health=false for the NIC checks only",
+    )
     parser.add_argument("--write-results", action="store_true", help="write the table into bench/RESULTS.md")
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (logs, report, inventory)")
     args = parser.parse_args()
     figures: list[Figure] = []
     for hosts in args.hosts or [120]:
         keep = args.keep / str(hosts) if args.keep else None
-        figures += bench(hosts, args.forks, args.phase or list(PHASES), args.fake_facts, keep)
+        figures += bench(hosts, args.forks, args.phase or list(PHASES), args.fake_facts, keep, tuple(args.validate_var))
         print(table(figures), flush=True)
     if args.write_results:
         write_results(table(figures), args.forks, args.fake_facts)

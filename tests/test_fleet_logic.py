@@ -91,3 +91,63 @@ def test_rollup_counts_versions_and_drift() -> None:
     assert "kernel" not in facets  # not reported by the node read: no column
     md = fleet.rollup_markdown(r)
     assert "| RoCE v2 GID index | 3 (2), 5 (1) | DRIFT: c" in md and "['" not in md
+
+
+def _node(fw: str = "28.39.1002", ofed: str = "24.10-1.1.4", kernel: str = "5.15.0-119-generic", gid: int = 3) -> dict:
+    """A validated entry as the report holds it: NIC and node-health summary (gid_index per NIC)."""
+    gids = {"mlx5_bond_0": gid, "mlx5_bond_1": gid}
+    summary = {"firmware": [fw], "driver_version": ofed, "kernel": kernel, "nic_count": 4, "gid_index": gids}
+    summary["roce_v2_gid_index"] = {"mlx5_bond_0": 9}  # the IPv6 read's: the health read's wins
+    checks = [{"name": "port_state", "passed": True}]
+    return {"validated": True, "passed": True, "checks": checks, "summary": summary}
+
+
+def test_drift_names_the_odd_nodes_out_with_value_fleet_value_and_fix() -> None:
+    nodes = {f"n{i}": _node() for i in range(4)}
+    nodes["old"] = _node(fw="28.36.1010", ofed="5.8-1.0.1.1")
+    nodes["gid"] = _node(gid=5)
+    nodes["down"] = {"validated": False, "passed": False, "checks": [], "summary": {}}
+    found = fleet.drift(nodes, "fail")
+    assert sorted(found) == ["gid", "old"]
+    assert [r["name"] for r in found["old"]] == ["drift_firmware", "drift_driver"]
+    assert [r["name"] for r in found["gid"]] == ["drift_gid_index"]  # the health read's index, not the IPv6 one
+    row = found["old"][0]
+    assert row["passed"] is False and row["role"] == "fleet_drift" and row["nic"] is None
+    assert row["message"].startswith(
+        "firmware 28.36.1010 differs across the fleet: the fleet's most common is 28.39.1002 (5 of 6 nodes). "
+        "Fix: flash the fleet's firmware"
+    )
+    warned = fleet.drift(nodes, "warn")
+    assert all(r["passed"] and r["warning"] for rows in warned.values() for r in rows)
+    assert fleet.drift(nodes, "ignore") == {}
+    with pytest.raises(ValueError, match="drift mode 'off' is not one of warn, fail, ignore"):
+        fleet.drift(nodes, "off")
+
+
+def test_drift_on_a_tie_names_every_node_and_one_node_never_drifts() -> None:
+    tie = fleet.drift({"a": _node(kernel="5.15"), "b": _node(kernel="6.8")}, "fail")
+    message = tie["a"][0]["message"]
+    assert sorted(tie) == ["a", "b"]
+    assert "no single most common value across the fleet: 5.15 on 1 node(s), 6.8 on 1" in message
+    assert fleet.drift({"a": _node(fw="28.36.1010")}, "fail") == {}
+
+
+def test_report_drift_rows_are_judged_again_at_every_run() -> None:
+    from ansible_collections.lingjun.rdma.plugins.modules import rdma_validation_report as report
+
+    def fact(fw: str) -> dict:
+        entry = _node(fw=fw)
+        return {"validated": True, "checks": entry["checks"], "summary": entry["summary"]}
+
+    hosts = ["a", "b", "c"]
+    first = report.build({}, hosts, {"a": fact("28.39.1002"), "b": fact("28.39.1002"), "c": fact("28.36.1010")},
+                         {}, "2026-12-01", drift_mode="fail")  # fmt: skip
+    assert first.pop("drift") == {"c": first["nodes"]["c"]["checks"][-1:]}
+    assert first["nodes"]["c"]["failed"] == ["drift_firmware"] and first["failed"] == ["c"]
+    md = report.markdown(first)
+    assert "| c | FAIL |" in md and "- **drift_firmware**: firmware 28.36.1010 differs" in md
+    # c flashed, only c validated again (--limit): its drift row goes, a and b keep their entries
+    second = report.build(first, ["c"], {"c": fact("28.39.1002")}, {}, "2026-12-02", drift_mode="fail")
+    assert second.pop("drift") == {} and second["failed"] == [] and second["passed"] == 3
+    warned = report.build({}, hosts, {"a": fact("1"), "b": fact("1"), "c": fact("2")}, {}, "2026-12-01")
+    assert warned["nodes"]["c"]["passed"] and "(warning)" in report.markdown(warned)

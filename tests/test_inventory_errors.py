@@ -34,6 +34,12 @@ def _out(result) -> str:  # type: ignore[no-untyped-def]
     [
         ("validate.yml", "rdma_nic_validate_rate_gbps=200G", 'rdma_nic_validate_rate_gbps="200G" is not a number'),
         ("validate.yml", "rdma_validation_enforce=nope", 'rdma_validation_enforce="nope" is not a boolean'),
+        ("validate.yml", "rdma_nic_validate_mtu=big", 'rdma_nic_validate_mtu="big" is not a whole number'),
+        ("validate.yml", "rdma_nic_validate_pfc_priority=9", "rdma_nic_validate_pfc_priority must be a priority"),
+        ("validate.yml", "rdma_nic_validate_mtu=9", "rdma_nic_validate_mtu must be a netdev MTU between 68 and 65535"),
+        ("validate.yml", "rdma_nic_validate_roce_mtu=9000", "rdma_nic_validate_roce_mtu=9000 must be one of: 256, 512"),
+        ("validate.yml", '{"rdma_nic_validate_skip_checks": ["mtu", "bogus"]}', "rdma_nic_validate_skip_checks="),
+        ("validate.yml", "rdma_validation_drift=maybe", 'rdma_validation_drift="maybe" must be one of: warn, fail'),
         ("site.yml", "rdma_shared_devices=lots", 'rdma_shared_devices="lots" is not a whole number'),
         ("site.yml", "rdma_nic_validate_expected_nics=0", "rdma_nic_validate_expected_nics=0 must be positive"),
         ("verify.yml", "plugin_verify_timeout=soon", 'plugin_verify_timeout="soon" is not a whole number'),

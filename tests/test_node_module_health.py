@@ -16,7 +16,7 @@ from rdma_device_plugin.node import fixtures
 
 ROW_KEYS = {"name", "nic", "netdev", "gpu", "passed", "skipped", "message", "role"}
 SUMMARY_KEYS = {"health", "not_checked", "gpus", "gid_index", "mtu", "bonds", "pcie_degraded", "topology",
-                "gpudirect", "memlock"}  # fmt: skip
+                "gpudirect", "kernel", "memlock"}  # fmt: skip
 
 
 def _roots(node: fixtures.FixtureNode) -> list[str]:
@@ -54,6 +54,7 @@ def test_health_rows_and_summary_on_a_healthy_node(tmp_path: Path) -> None:
     assert len(gpu_rows) == 16 and all(r["nic"] is None for r in gpu_rows)
     summary = result["node"]["summary"]["rdma_node_health"]
     assert set(summary) == SUMMARY_KEYS and summary["health"] == "passed" and summary["gpus"] == 8
+    assert summary["kernel"] == "5.15.0-119-generic"  # the fleet report's kernel drift reads it
     assert summary["topology"]["mlx5_bond_0"]["switch"] == ["0000:18:00.0", "0000:19:00.0"]
     health = result["node"]["health"]
     assert health["dcb"].startswith("DCB netlink reads the node's own netdevs")

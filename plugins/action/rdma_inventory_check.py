@@ -27,11 +27,20 @@ from ansible.module_utils.common.validation import (
     check_type_list,
 )
 from ansible.plugins.action import ActionBase
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_node import healthchecks
 from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import MISSING, Hosts, differing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ABSOLUTE = ("rdma_sysfs_root", "rdma_procfs_root", "rdma_dev_root")
 POSITIVE = ("rdma_nic_validate_expected_nics", "rdma_nic_validate_rate_gbps", "rdma_shared_devices")
+# rdma_nic_validate variable -> rdma_node_info option whose range healthchecks.Expectations checks (the
+# module's own check, so a node never sees a value the controller let through).
+HEALTH = dict(
+    ("rdma_nic_validate_" + option, option)
+    for option in ("mtu", "roce_mtu", "bond_mode", "roce_trust", "pfc_priority", "counter_max", "counter_interval",
+                   "nccl_addr_family", "perftest_min_percent", "perftest_seconds")
+)
+CONVERT = {"int": check_type_int, "float": check_type_float, "dict": check_type_dict, "str": str}
 SAMPLES = {"int": "4", "float": "200", "bool": "true", "list": '\'{"%s": ["a", "b"]}\'', "dict": '\'{"%s": {"k": "v"}}\''}
 
 
@@ -104,6 +113,36 @@ def problems(name, spec, value):
     return out
 
 
+def health_problems(specs, got):
+    """(variable, problem) for the first node-health value out of its range; none while a type is wrong
+    (problems() names that)."""
+    kwargs = {}
+    for name, option in HEALTH.items():
+        if name not in specs or got.get(name) is None:
+            continue
+        try:
+            value = CONVERT[specs[name].get("type", "str")](got[name])
+        except (TypeError, ValueError):
+            return []
+        if option == "counter_max":
+            value = dict((k, _count(v)) for k, v in value.items())
+        kwargs[option] = value
+    try:
+        healthchecks.Expectations(**kwargs)
+    except ValueError as exc:
+        option = str(exc).split(" ", 1)[0].split(".", 1)[0]
+        name = "rdma_nic_validate_" + option
+        return [(name, "rdma_nic_validate_%s; set %s in the inventory or with -e" % (exc, name))]
+    return []
+
+
+def _count(value):
+    try:
+        return check_type_int(value) if not isinstance(value, bool) else value
+    except TypeError:
+        return value
+
+
 class ActionModule(ActionBase):
     _supports_check_mode = True
 
@@ -145,6 +184,9 @@ class ActionModule(ActionBase):
                 for problem in problems(name, specs[name], got[name]):
                     where = "from -e" if name in extra else self._hosts_text(host_list, len(hosts))
                     found.append("%s (%s)" % (problem, where))
+            for name, problem in health_problems(specs, got):
+                where = "from -e" if name in extra else self._hosts_text(host_list, len(hosts))
+                found.append("%s (%s)" % (problem, where))
         done = sorted(set(checked) | set(args.get("roles") or []))
         result.update(changed=False, ansible_facts={"rdma_inventory_checked": done})
         if found:

@@ -260,12 +260,16 @@ class Facet(object):
     """One column of the fleet rollup: how many nodes show each value, and the odd ones out.
 
     ``get(entry)`` returns the node's value (a string, or a list of strings for per-NIC facts such as
-    firmware); None when the node does not report it. Add a facet to FACETS to add a column."""
+    firmware); None when the node does not report it. ``check`` names the drift finding the odd nodes
+    get (``drift_<fact>``; None: a column only) and ``fix`` says how to align them. Add a facet to
+    FACETS to add a column."""
 
-    def __init__(self, title, get, drift=True):
+    def __init__(self, title, get, drift=True, check=None, fix=""):
         self.title = title
         self.get = get
         self.drift = drift
+        self.check = check
+        self.fix = fix
 
 
 def _summary(key):
@@ -279,24 +283,57 @@ def _summary(key):
 
 
 def _gid_index(entry):
-    idx = (entry.get("summary") or {}).get("roce_v2_gid_index")
+    """The GID index NCCL picks per NIC: the health read's (NCCL_IB_ADDR_FAMILY of the run, always
+    reported), else the IPv6 read's (non-hostNetwork only). A NIC without one counts as ``none``."""
+    summary = entry.get("summary") or {}
+    idx = summary.get("gid_index") or summary.get("roce_v2_gid_index")
     if not idx:
         return None
-    return sorted({str(v) for v in idx.values()}) if isinstance(idx, dict) else str(idx)
+    return sorted({"none" if v is None else str(v) for v in idx.values()}) if isinstance(idx, dict) else str(idx)
 
+
+DRIFT_ROLE = "fleet_drift"
+DRIFT_MODES = ("warn", "fail", "ignore")
 
 FACETS = [
-    Facet("firmware", _summary("firmware")),
-    Facet("driver (mlx5_core / OFED)", _summary("driver_version")),
-    Facet("kernel", _summary("kernel")),
+    Facet("firmware", _summary("firmware"), check="drift_firmware",
+          fix="flash the fleet's firmware (mlxfwmanager -u, or mstflint) and reset the NICs (mlxfwreset)"),
+    Facet("driver (mlx5_core / OFED)", _summary("driver_version"), check="drift_driver",
+          fix="install the fleet's MLNX_OFED / DOCA-OFED version (the mlx5_core module version)"),
+    Facet("kernel", _summary("kernel"), check="drift_kernel", fix="boot the fleet's kernel"),
     Facet("link layer", _summary("link_layers")),
     Facet("RDMA NICs", _summary("nic_count")),
-    Facet("RoCE v2 GID index", _gid_index),
-]
+    Facet("RoCE v2 GID index", _gid_index, check="drift_gid_index",
+          fix="NCCL_IB_GID_INDEX is one value for the whole job: give the node's RoCE netdevs the fleet's address "
+          "layout (the same IPv4/IPv6 addresses in the same order) so that its RoCE v2 GID lands at the same index"),
+]  # fmt: skip
 
 
 def _values(value):
     return value if isinstance(value, list) else [value]
+
+
+def _spread(facet, validated):
+    """(value counts, host -> values, the most common value, its rivals, the odd hosts): every host that
+    reports another value, or every host when no value is the single most common one (a tie names no
+    host right)."""
+    counts = {}
+    per_host = {}
+    for host, entry in validated.items():
+        value = facet.get(entry)
+        if value is None:
+            continue
+        per_host[host] = _values(value)
+        for v in set(per_host[host]):
+            counts[v] = counts.get(v, 0) + 1
+    if not counts:
+        return counts, per_host, None, [], []
+    common = max(sorted(counts), key=lambda v: counts[v])
+    rivals = sorted(v for v in counts if v != common and counts[v] == counts[common])
+    odd = sorted(h for h, vs in per_host.items() if vs != [common] or rivals)
+    if len(counts) == 1 or len(per_host) < 2:  # one value, or one node: nothing drifts
+        odd = []
+    return counts, per_host, common, rivals, odd
 
 
 def rollup(nodes, top=10):
@@ -310,25 +347,15 @@ def rollup(nodes, top=10):
     top_checks = sorted(failing.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:top]
     facets = []
     for facet in FACETS:
-        counts = {}
-        per_host = {}
-        for host, entry in validated.items():
-            value = facet.get(entry)
-            if value is None:
-                continue
-            per_host[host] = _values(value)
-            for v in set(per_host[host]):
-                counts[v] = counts.get(v, 0) + 1
+        counts, per_host, common, _, odd = _spread(facet, validated)
         if not counts:
             continue
-        common = max(sorted(counts), key=lambda v: counts[v])
-        odd = sorted(h for h, vs in per_host.items() if vs != [common]) if facet.drift else []
         facets.append(
             {
                 "title": facet.title,
                 "values": sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])),
                 "most_common": common,
-                "odd": odd,
+                "odd": odd if facet.drift else [],
                 "reported_by": len(per_host),
             }
         )
@@ -341,6 +368,42 @@ def rollup(nodes, top=10):
         "top_failing_checks": [{"check": name, "nodes": len(hosts), "hosts": sorted(hosts)} for name, hosts in top_checks],
         "facets": facets,
     }
+
+
+def drift(nodes, mode="warn"):
+    """Host -> its fleet drift findings, check rows like the node's own (role ``fleet_drift``): per facet
+    with a ``check``, each odd node out of the validated ones gets a row naming its value, the fleet's
+    most common one and the fix. ``warn`` rows pass (``warning`` true: reported only), ``fail`` rows
+    fail the node, ``ignore`` gives none."""
+    if mode not in DRIFT_MODES:
+        raise ValueError("drift mode %r is not one of %s" % (mode, ", ".join(DRIFT_MODES)))
+    if mode == "ignore":
+        return {}
+    validated = dict((h, e) for h, e in nodes.items() if e.get("validated"))
+    found = {}
+    for facet in FACETS:
+        if not facet.check:
+            continue
+        counts, per_host, common, rivals, odd = _spread(facet, validated)
+        for host in odd:
+            seen = ", ".join(per_host[host])
+            if rivals:
+                fleet_text = "no single most common value across the fleet: %s" % ", ".join(
+                    "%s on %d node(s)" % (v, counts[v]) for v in [common] + rivals
+                )
+            else:
+                fleet_text = "the fleet's most common is %s (%d of %d nodes)" % (common, counts[common], len(per_host))
+            found.setdefault(host, []).append(
+                {
+                    "name": facet.check,
+                    "nic": None,
+                    "passed": mode != "fail",
+                    "warning": mode == "warn",
+                    "message": "%s %s differs across the fleet: %s. Fix: %s" % (facet.title, seen, fleet_text, facet.fix),
+                    "role": DRIFT_ROLE,
+                }
+            )
+    return found
 
 
 def rollup_markdown(r, max_hosts=8):

@@ -231,7 +231,7 @@ node:
         C(gpus) (count), C(gid_index) (NIC -> NCCL's GID index of port 1), C(mtu) (NIC -> netdev
         MTU of its RoCE netdev), C(bonds) (NIC -> bond mode), C(pcie_degraded) (NICs and GPU
         addresses), C(topology) (NIC -> C(switch)/C(root_port)/C(numa) -> GPU addresses, each list
-        holding the closer ones too), C(gpudirect) (C(peermem), C(dma-buf) or C(none)) and
+        holding the closer ones too), C(gpudirect) (C(peermem), C(dma-buf) or C(none)), C(kernel) (the release) and
         C(memlock) (the running runtime's limit, null when none runs).
       type: dict
     verbs:

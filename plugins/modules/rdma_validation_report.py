@@ -21,6 +21,9 @@ description:
   - Each entry of this run is dated (C(validated_on), UTC day); the same findings on the same
     day rewrite nothing.
   - In check mode nothing is written and no change is reported; C(msg) says what would be written.
+  - Each node's row shows its node-health verdict, not-checked count, GID index, MTU, GPUDirect and
+    degraded PCIe links (C(rdma_node_info)'s C(rdma_node_health) summary); I(drift) turns the odd nodes out
+    into findings.
   - Linear in the number of hosts (the former Jinja report rebuilt lists per host).
 version_added: "0.2.0"
 author: rdma-device-plugin maintainers
@@ -61,6 +64,15 @@ options:
     description: Host -> Kubernetes node name, when it differs from the inventory host name.
     type: dict
     default: {}
+  drift:
+    description:
+      - Fleet drift (module_utils C(rdma_fleet.drift)) - every validated node whose firmware, driver (OFED),
+        kernel or RoCE GID index differs from the most common value of the report's validated nodes gets a
+        C(drift_<fact>) finding (role C(fleet_drift)). C(warn) - reported, the node still passes; C(fail) - the
+        node fails; C(ignore) - no finding. Recomputed over the whole report at every run.
+    type: str
+    choices: [warn, fail, ignore]
+    default: warn
   inventory_hosts:
     description:
       - Every host of the inventory's node group (not only this run's, under C(--limit)). Entries of
@@ -87,6 +99,10 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+drift:
+  description: Host of this run -> its fleet drift findings (check rows), only the hosts that have some.
+  returned: always
+  type: dict
 summary:
   description: C(total), C(passed), C(failed), C(not_validated) and C(removed) of the report (its nodes are in the files).
   returned: always
@@ -104,7 +120,7 @@ import os
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import rollup, rollup_markdown
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import DRIFT_ROLE, drift, rollup, rollup_markdown
 
 NOT_VALIDATED = "not validated (unreachable, or a task failed before the checks)"
 
@@ -118,15 +134,13 @@ def _entry(host: str, node_name: str, fact: Any, today: str) -> dict[str, Any]:
             reason = "not validated: " + "; ".join(f"{role}: {msg}" for role, msg in sorted(errors.items()))
         return {**base, "validated": False, "passed": False, "failed": [reason], "checks": [], "summary": {}}
     checks = list(fact.get("checks") or [])
-    failed = [c["name"] + (f" {c['nic']}" if c.get("nic") else "") for c in checks if not c.get("passed")]
-    return {
-        **base,
-        "validated": True,
-        "passed": not failed,
-        "failed": failed,
-        "checks": checks,
-        "summary": dict(fact.get("summary") or {}),
-    }
+    return _judged({**base, "validated": True, "checks": checks, "summary": dict(fact.get("summary") or {})})
+
+
+def _judged(entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry with ``failed`` and ``passed`` from its check rows."""
+    failed = [c["name"] + (f" {c['nic']}" if c.get("nic") else "") for c in entry["checks"] if not c.get("passed")]
+    return {**entry, "passed": not failed, "failed": failed}
 
 
 def build(
@@ -136,17 +150,26 @@ def build(
     names: dict[str, str],
     today: str,
     inventory: list[str] | None = None,
+    drift_mode: str = "warn",
 ) -> dict[str, Any]:
     nodes = dict(previous.get("nodes") or {})
     for host in hosts:
         nodes[host] = _entry(host, str(names.get(host) or host), results.get(host), today)
+    # Drift is a fleet fact: the previous run's drift rows go, and every entry is judged again.
+    for host, n in nodes.items():
+        if n.get("validated") and any(c.get("role") == DRIFT_ROLE for c in n.get("checks") or []):
+            nodes[host] = _judged({**n, "checks": [c for c in n["checks"] if c.get("role") != DRIFT_ROLE]})
     removed = []
     if inventory is not None:
         keep = set(inventory) | set(hosts)
         removed = [{"host": h, "validated_on": nodes[h].get("validated_on")} for h in sorted(nodes) if h not in keep]
         nodes = {h: n for h, n in nodes.items() if h in keep}
     nodes = dict(sorted(nodes.items()))
+    found = drift(nodes, drift_mode)
+    for host, rows in found.items():
+        nodes[host] = _judged({**nodes[host], "checks": nodes[host]["checks"] + rows})
     return {
+        "drift": {h: rows for h, rows in found.items() if h in hosts},
         "rollup": rollup(nodes),
         "nodes": nodes,
         "total": len(nodes),
@@ -161,6 +184,16 @@ def build(
 def _cell(value: Any) -> str:
     text = ", ".join(str(v) for v in value) if isinstance(value, list) else str(value)
     return (text or "-").replace("|", "\\|").replace("\n", " ")
+
+
+def _per_nic(value: Any) -> str:
+    """A NIC -> value map in one cell: the value when every NIC has the same one, else each NIC's."""
+    if not isinstance(value, dict) or not value:
+        return "-"
+    shown = {"-" if v is None else str(v) for v in value.values()}
+    if len(shown) == 1:
+        return shown.pop()
+    return ", ".join(f"{nic}={'-' if v is None else v}" for nic, v in sorted(value.items()))
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -181,8 +214,9 @@ def markdown(report: dict[str, Any]) -> str:
         "## Nodes",
         "",
         "| host | result | node | validated on | checks passed | checks failed | RDMA NICs | link layer "
-        "| firmware | driver | IPv6 compute | failed checks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| firmware | driver | IPv6 compute | health | not checked | GID index | MTU | GPUDirect | PCIe degraded "
+        "| failed checks |",
+        "|" + "---|" * 18,
     ]
     for host, n in nodes.items():
         s = n.get("summary") or {}
@@ -201,19 +235,26 @@ def markdown(report: dict[str, Any]) -> str:
             s.get("firmware") or "-",
             s.get("driver_version") or "-",
             s.get("ipv6", "not checked"),
+            s.get("health", "not checked"),
+            len(s.get("not_checked") or []) if "health" in s else "-",
+            _per_nic(s.get("gid_index")),
+            _per_nic(s.get("mtu")),
+            s.get("gpudirect") or "-",
+            s.get("pcie_degraded") or ("none" if "health" in s else "-"),
             n.get("failed") or "-",
         ]
         lines.append("| " + " | ".join(_cell(v) for v in row) + " |")
-    bad = [(h, n) for h, n in nodes.items() if not n.get("passed")]
+    bad = [(h, n) for h, n in nodes.items() if not n.get("passed") or any(c.get("warning") for c in n.get("checks") or [])]
     if bad:
         lines += ["", "## Findings"]
     for host, n in bad:
         name = n.get("node_name", host)
         lines += ["", f"### {host}" + (f" (node {name})" if name != host else "") + f", {n.get('validated_on', '-')}", ""]
-        failed_checks = [c for c in n.get("checks") or [] if not c.get("passed")]
-        for c in failed_checks:
-            lines.append(f"- **{c['name']}**" + (f" ({c['nic']})" if c.get("nic") else "") + f": {c['message']}")
-        if not failed_checks:
+        found = [c for c in n.get("checks") or [] if not c.get("passed") or c.get("warning")]
+        for c in found:
+            warn = " (warning)" if c.get("passed") else ""
+            lines.append(f"- **{c['name']}**{warn}" + (f" ({c['nic']})" if c.get("nic") else "") + f": {c['message']}")
+        if not found:
             lines.append("- " + "; ".join(n.get("failed") or [NOT_VALIDATED]))
     return "\n".join(lines) + "\n"
 
@@ -235,6 +276,7 @@ def main() -> None:
             "results_file": {"type": "path"},
             "node_names": {"type": "dict", "default": {}},
             "inventory_hosts": {"type": "list", "elements": "str"},
+            "drift": {"type": "str", "choices": ["warn", "fail", "ignore"], "default": "warn"},
         },
         required_one_of=[("results", "results_file")],
         mutually_exclusive=[("results", "results_file")],
@@ -254,7 +296,8 @@ def main() -> None:
         except ValueError:
             module.warn(f"{json_path} is not JSON; it is replaced, not merged")
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    report = build(previous, p["hosts"], p["results"], p["node_names"], today, p["inventory_hosts"])
+    report = build(previous, p["hosts"], p["results"], p["node_names"], today, p["inventory_hosts"], p["drift"])
+    found = report.pop("drift")  # already in the entries; returned for the playbook to record on the hosts
     new_json = json.dumps(report, indent=4, sort_keys=True) + "\n"
     new_md = markdown(report)
     differs = old_json != new_json or _read(md_path) != new_md
@@ -270,6 +313,7 @@ def main() -> None:
             summary=summary,
             paths=paths,
             msg=f"check mode: {would} {json_path} and {md_path}",
+            drift=found,
             invocation=invocation,
         )
     if differs:
@@ -280,7 +324,7 @@ def main() -> None:
                 fh.write(text)
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)  # atomic: a reader never sees half a report
-    module.exit_json(changed=differs, summary=summary, paths=paths, invocation=invocation)
+    module.exit_json(changed=differs, summary=summary, paths=paths, drift=found, invocation=invocation)
 
 
 if __name__ == "__main__":

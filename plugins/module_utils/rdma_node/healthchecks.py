@@ -915,6 +915,7 @@ def summary(node: NodeRead, checks: Sequence[Check]) -> dict[str, object]:
             if r.placement is not None and gpus
         },
         "gpudirect": node.gpudirect.mode or "none",
+        "kernel": node.gpudirect.kernel or None,  # osrelease: the fleet report's kernel drift
         "memlock": None if running is None or running.running is None else running.running.describe(),
     }
 
