@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -245,7 +246,13 @@ def test_device_plugin_dir_removed_then_recreated(  # type: ignore[no-untyped-de
         assert kubelet.allocatable(RES) == 1000
         out = plugin.output()
         assert "kubelet.sock is missing" in out
-        assert out.count("WARNING rdma_device_plugin.supervisor: cannot serve rdma/hca") == 1, "logged once, retried"
+        # Logged once per episode, not per retry: each warning is followed by its recovery line
+        # before another can come. (With the real kubelet a second episode can occur: its start
+        # empties the re-created dir while the plugin serves there again.)
+        warned = out.count("WARNING rdma_device_plugin.supervisor: cannot serve rdma/hca")
+        assert 1 <= warned <= 2 and out.count("serving rdma/hca again") == warned, out[-3000:]
+        episodes = re.findall(r"WARNING +\S+: cannot serve rdma/hca|INFO +\S+: serving rdma/hca again", out)
+        assert [e.split(": ")[1] for e in episodes] == ["cannot serve rdma/hca", "serving rdma/hca again"] * warned, out
         assert "Traceback" not in out
     finally:
         stop_kubelet(kubelet)

@@ -232,8 +232,10 @@ def test_200_port_flaps_last_snapshot_matches_final_state(  # type: ignore[no-un
 # --------------------------------------------------------------------------- hot-plug
 
 # The probe notices a removal within one interval plus the time a probe itself takes (it
-# may have listed the NICs just before the removal); PROBE_RUN bounds that run time.
-PROBE_RUN = 0.25
+# may have listed the NICs just before the removal); PROBE_RUN bounds that run time. The re-list
+# also reads each NIC's GID facts and builds the pools' answers (issue 23): 0.25 s was exceeded
+# once (0.35 s after the removal) on a busy 2-core CI machine, so the bound leaves room for that.
+PROBE_RUN = 0.5
 
 
 @pytest.mark.timeout(60)
@@ -274,7 +276,7 @@ def test_hot_plug_never_hands_out_a_removed_nic(  # type: ignore[no-untyped-def]
             for v in victims:
                 node.remove_nic(v)
             removed = time.monotonic()
-            time.sleep(rng.uniform(0.4, 0.8))
+            time.sleep(rng.uniform(0.7, 1.1))  # longer than INTERVAL + PROBE_RUN: answers to check
             readd = time.monotonic()
             for v in victims:
                 node.add_nic(SPECS[v])

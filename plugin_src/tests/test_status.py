@@ -138,6 +138,10 @@ def test_status_hooks_forward_every_hook_to_the_wrapped_one(tmp_path: Path) -> N
             args = [() for _ in list(inspect.signature(getattr(Hooks, name)).parameters)[1:]]
             if name == "allocated":
                 args = ["rdma/hca", 0.001, True]
+            if name == "affinity_found":  # a real one: the status writer thread reads its .nics
+                from rdma_device_plugin.affinity import NodeAffinity
+
+                args = [NodeAffinity(nics={}, gpus=(), gpu_closest={})]
             getattr(hooks, name)(*args)
     finally:
         hooks.stop()
