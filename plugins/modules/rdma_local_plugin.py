@@ -169,7 +169,19 @@ def _start(cmd, log_path):
             close_fds=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )
-    return proc.pid
+    return proc
+
+
+def _stop_child(proc, timeout=10.0):
+    """Stop a process this run started (its Popen: no /proc lookup, see _started_alive)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _fingerprint(cmd, files=()):
@@ -350,11 +362,18 @@ def main():
     plugin_log = os.path.join(run_dir, "plugin.log")
     state = dict(saved)
     started = []
+    procs = {}  # what this run started, by name: liveness from the child itself, not /proc
+
+    def alive(name):
+        # Not _running(): right after exec the kernel may show an empty /proc/<pid>/cmdline for a
+        # moment (the new image's argument pages are not set up yet), which looked like an exit
+        # and let a failed start leave the plugin running.
+        return procs[name].poll() is None
 
     def fail(msg, **extra):
         # Nothing a failed start began keeps running, and the state file says so.
         for name in reversed(started):
-            _stop(state[name]["pid"])
+            _stop_child(procs[name])
             state.pop(name, None)
         if state.get("simulator") or state.get("plugin"):
             _write_state(state_path, state)
@@ -363,7 +382,8 @@ def main():
         module.fail_json(msg=msg, pids=pids, **extra)
 
     def launch(name, cmd, fingerprint, log):
-        pids[name] = _start(cmd, log)
+        procs[name] = _start(cmd, log)
+        pids[name] = procs[name].pid
         started.append(name)
         state[name] = {"pid": pids[name], "fingerprint": fingerprint, "cmd": cmd, "log": log}
         state["metrics_address"] = metrics_address
@@ -380,7 +400,7 @@ def main():
         launch("simulator", sim_cmd, sim_fp, sim_log)
         deadline = time.monotonic() + p["timeout"]
         while not os.path.exists(p["status_file"]):
-            if time.monotonic() > deadline or not _running(pids["simulator"]):
+            if time.monotonic() > deadline or not alive("simulator"):
                 fail(f"the kubelet simulator did not start; {sim_log}:\n{_log_tail(sim_log)}")
             time.sleep(0.05)
     else:
@@ -399,7 +419,7 @@ def main():
         regs = status.get("registrations", {})
         if all(r in status.get("registered", []) and regs.get(r, 0) > before.get(r, 0) for r in resources):
             break
-        if time.monotonic() > deadline or not _running(pids["plugin"]):
+        if time.monotonic() > deadline or not alive("plugin"):
             fail(
                 f"the plugin did not register {', '.join(resources)} with the kubelet simulator within "
                 f"{p['timeout']}s; {plugin_log}:\n{_log_tail(plugin_log)}",
