@@ -20,6 +20,7 @@ description:
   - Check mode reports whether a push would happen.
 version_added: "0.2.0"
 author: rdma-device-plugin maintainers
+extends_documentation_fragment: [lingjun.rdma.rdma_registry_auth]
 options:
   chart_path:
     description: Directory of the chart.
@@ -37,14 +38,6 @@ options:
     description: Verify the registry's TLS certificate; false also talks plain HTTP (a local registry).
     type: bool
     default: true
-  username:
-    description: Registry user; empty means no login.
-    type: str
-    default: ""
-  password:
-    description: Registry password or token.
-    type: str
-    default: ""
 """
 
 EXAMPLES = r"""
@@ -84,6 +77,7 @@ import tempfile
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_helm import REGISTRY_AUTH_ARGS
 
 # Helm's OCI media types (helm.sh/helm pkg/registry/constants.go).
 CONFIG_MEDIA_TYPE = "application/vnd.cncf.helm.config.v1+json"
@@ -192,12 +186,11 @@ def push(oras_client, target, tgz, metadata, digest, workdir):
 def main():
     module = AnsibleModule(
         argument_spec=dict(
+            REGISTRY_AUTH_ARGS,
             chart_path=dict(type="path", required=True),
             registry=dict(type="str", required=True),
             repository=dict(type="str", default="charts"),
             tls_verify=dict(type="bool", default=True),
-            username=dict(type="str", default=""),
-            password=dict(type="str", default="", no_log=True),
         ),
         supports_check_mode=True,
     )

@@ -17,6 +17,7 @@ description:
   - Read-only towards the cluster; runs in check mode too (the cache is only a copy of the registry).
 version_added: "0.2.0"
 author: rdma-device-plugin maintainers
+extends_documentation_fragment: [lingjun.rdma.rdma_registry_auth]
 options:
   chart:
     description: A chart directory, or an C(oci://) reference.
@@ -33,14 +34,6 @@ options:
     type: str
     choices: [auto, "true", "false"]
     default: auto
-  username:
-    description: Registry user; empty means anonymous.
-    type: str
-    default: ""
-  password:
-    description: Registry password or token.
-    type: str
-    default: ""
 """
 
 EXAMPLES = r"""
@@ -71,6 +64,7 @@ import shutil
 import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_helm import REGISTRY_AUTH_ARGS
 
 OCI = re.compile(r"^oci://(?P<registry>[^/]+)/(?P<path>(?:[^/:@]+/)*)(?P<name>[^/:@]+)(?::(?P<version>[^/:@]+))?$")
 LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|localhost|\[::1\])(:\d+)?$")
@@ -127,11 +121,10 @@ def pull(ref, cache_dir, plain_http, username="", password=""):
 def main():
     module = AnsibleModule(
         argument_spec=dict(
+            REGISTRY_AUTH_ARGS,
             chart=dict(type="str", required=True),
             cache_dir=dict(type="path", default="~/.cache/rdma-device-plugin/charts"),
             plain_http=dict(type="str", choices=["auto", "true", "false"], default="auto"),
-            username=dict(type="str", default=""),
-            password=dict(type="str", default="", no_log=True),
         ),
         supports_check_mode=True,
     )

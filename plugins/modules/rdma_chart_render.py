@@ -17,23 +17,8 @@ description:
   - Supports check mode (reports what would change).
 version_added: "0.1.0"
 author: rdma-device-plugin maintainers
+extends_documentation_fragment: [lingjun.rdma.rdma_release]
 options:
-  chart_path:
-    description: Directory of the chart.
-    type: path
-    required: true
-  values:
-    description: Chart values.
-    type: dict
-    required: true
-  release_name:
-    description: Release name.
-    type: str
-    default: rdma
-  namespace:
-    description: Release namespace.
-    type: str
-    default: kube-system
   dest:
     description: Directory for the rendered manifests (created).
     type: path
@@ -81,6 +66,7 @@ config:
 import os
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_helm import RELEASE_ARGS
 
 
 def _write(path, text, check_mode):
@@ -102,10 +88,7 @@ def _write(path, text, check_mode):
 def main():
     module = AnsibleModule(
         argument_spec=dict(
-            chart_path=dict(type="path", required=True),
-            values=dict(type="dict", required=True),
-            release_name=dict(type="str", default="rdma"),
-            namespace=dict(type="str", default="kube-system"),
+            RELEASE_ARGS,
             dest=dict(type="path", required=True),
             config_mode=dict(type="str", choices=["shared", "exclusive"]),
             config_dest=dict(type="path"),

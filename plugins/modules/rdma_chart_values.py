@@ -18,15 +18,8 @@ description:
   - Never changes anything; supports check mode.
 version_added: "0.1.0"
 author: rdma-device-plugin maintainers
+extends_documentation_fragment: [lingjun.rdma.rdma_release]
 options:
-  chart_path:
-    description: Directory of the chart (holds C(Chart.yaml) and C(values.schema.json)).
-    type: path
-    required: true
-  values:
-    description: The values to validate (merged over the chart's C(values.yaml) as Helm does).
-    type: dict
-    required: true
   variables:
     description:
       - Maps a chart value path (JSON pointer, e.g. C(/sharedDevices), C(/nonHostNetwork/enabled)) to the
@@ -37,14 +30,6 @@ options:
     description: Also render the chart with the values (Helm engine only) to run its template checks.
     type: bool
     default: true
-  release_name:
-    description: Release name for the render check.
-    type: str
-    default: rdma
-  namespace:
-    description: Namespace for the render check.
-    type: str
-    default: kube-system
 """
 
 EXAMPLES = r"""
@@ -75,6 +60,7 @@ import os
 import re
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_helm import RELEASE_ARGS
 
 _HELM_ERROR = re.compile(r"at '([^']*)': (.*)")
 
@@ -141,12 +127,9 @@ def _merge(base, over):
 def main():
     module = AnsibleModule(
         argument_spec=dict(
-            chart_path=dict(type="path", required=True),
-            values=dict(type="dict", required=True),
+            RELEASE_ARGS,
             variables=dict(type="dict", default={}),
             render_check=dict(type="bool", default=True),
-            release_name=dict(type="str", default="rdma"),
-            namespace=dict(type="str", default="kube-system"),
         ),
         supports_check_mode=True,
     )

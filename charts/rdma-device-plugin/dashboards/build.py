@@ -83,6 +83,15 @@ def build() -> dict[str, object]:
         """The next id, the title, the data source and the size (24 columns make a row)."""
         return panel.id(next(panel_id)).title(title).datasource(DS).span(width).height(height)
 
+    def series(title: str, width: int, by: str, *lines: tuple[str, str]) -> timeseries.Panel:
+        """A time series panel, 8 high, one query per (expression, legend); each legend starts with
+        the grouping labels ``by`` ("node, resource" -> "{{node}} {{resource}} <legend>")."""
+        panel = place(ts(), title, width, 8)
+        prefix = " ".join("{{" + label.strip() + "}}" for label in by.split(","))
+        for ref, (expr, legend) in zip("ABCDEF", lines, strict=False):
+            panel = panel.with_target(q(expr, ref, f"{prefix} {legend}".rstrip()))
+        return panel
+
     fleet_row = db.Row("Fleet").id(next(panel_id))
     fleet_ready = (
         place(stat.Panel(), "Nodes RDMA-ready", 6, 6)
@@ -135,69 +144,56 @@ def build() -> dict[str, object]:
             )
         )
     )
-    ports_down = (
-        place(ts(), "NIC ports not ACTIVE by node", 12, 8)
-        .description('Ports of NICs a pool selects (rdma_dp_nic_info resource != ""); unused NICs are left out.')
-        .with_target(
-            q(
+    ports_down = series(
+        "NIC ports not ACTIVE by node",
+        12,
+        "node",
+        (
+            (
                 f"sum by (node) ((1 - rdma_dp_port_active{{{FLEET}}})"
-                f' * on(job, instance, nic) group_left() rdma_dp_nic_info{{{FLEET},resource!=""}})',
-                "A",
-                "{{node}}",
-            )
-        )
+                f' * on(job, instance, nic) group_left() rdma_dp_nic_info{{{FLEET},resource!=""}})'
+            ),
+            "",
+        ),
+    ).description('Ports of NICs a pool selects (rdma_dp_nic_info resource != ""); unused NICs are left out.')
+    capacity = series(
+        "Allocatable vs capacity per node",
+        12,
+        "node, resource",
+        (f'sum by (node, resource) (rdma_dp_devices{{{FLEET},health="Healthy"}})', "allocatable"),
+        (f"sum by (node, resource) (rdma_dp_devices{{{FLEET}}})", "capacity"),
     )
-    capacity = (
-        place(ts(), "Allocatable vs capacity per node", 12, 8)
-        .with_target(
-            q(
-                f'sum by (node, resource) (rdma_dp_devices{{{FLEET},health="Healthy"}})',
-                "A",
-                "{{node}} {{resource}} allocatable",
-            )
-        )
-        .with_target(q(f"sum by (node, resource) (rdma_dp_devices{{{FLEET}}})", "B", "{{node}} {{resource}} capacity"))
-    )
-    allocations = (
-        place(ts(), "Allocations", 8, 8)
-        .unit("reqps")
-        .with_target(
-            q(
-                f"sum by (node, resource, result) (rate(rdma_dp_allocations_total{{{FLEET}}}[$__rate_interval]))",
-                "A",
-                "{{node}} {{resource}} {{result}}",
-            )
-        )
-    )
+    allocations = series(
+        "Allocations",
+        8,
+        "node, resource, result",
+        (f"sum by (node, resource, result) (rate(rdma_dp_allocations_total{{{FLEET}}}[$__rate_interval]))", ""),
+    ).unit("reqps")
     latency = (
-        place(ts(), "Allocate latency (p99)", 8, 8)
+        series(
+            "Allocate latency (p99)",
+            8,
+            "node, resource",
+            (
+                (
+                    "histogram_quantile(0.99, sum by (le, node, resource) "
+                    f"(rate(rdma_dp_allocate_seconds_bucket{{{FLEET}}}[$__rate_interval])))"
+                ),
+                "",
+            ),
+        )
         .description("The plugin creates the histogram at start: empty (NaN) until the first Allocate, never missing.")
         .unit("s")
-        .with_target(
-            q(
-                "histogram_quantile(0.99, sum by (le, node, resource) "
-                f"(rate(rdma_dp_allocate_seconds_bucket{{{FLEET}}}[$__rate_interval])))",
-                "A",
-                "{{node}} {{resource}}",
-            )
-        )
     )
-    churn = (
-        place(ts(), "Re-registrations and stream ends", 8, 8)
-        .with_target(
-            q(
-                f"sum by (node, resource) (increase(rdma_dp_registrations_total{{{FLEET}}}[$__rate_interval]))",
-                "A",
-                "{{node}} {{resource}} registrations",
-            )
-        )
-        .with_target(
-            q(
-                f"sum by (node, resource) (increase(rdma_dp_stream_ends_total{{{FLEET}}}[$__rate_interval]))",
-                "B",
-                "{{node}} {{resource}} stream ends",
-            )
-        )
+    churn = series(
+        "Re-registrations and stream ends",
+        8,
+        "node, resource",
+        (
+            f"sum by (node, resource) (increase(rdma_dp_registrations_total{{{FLEET}}}[$__rate_interval]))",
+            "registrations",
+        ),
+        (f"sum by (node, resource) (increase(rdma_dp_stream_ends_total{{{FLEET}}}[$__rate_interval]))", "stream ends"),
     )
     node_row = db.Row("Node $node").id(next(panel_id))
     port_states = (
@@ -236,37 +232,25 @@ def build() -> dict[str, object]:
             )
         )
     )
-    devices = place(ts(), "Devices by health", 8, 8).with_target(
-        q(f"sum by (node, resource, health) (rdma_dp_devices{{{NODE}}})", "A", "{{node}} {{resource}} {{health}}")
+    devices = series(
+        "Devices by health",
+        8,
+        "node, resource, health",
+        (f"sum by (node, resource, health) (rdma_dp_devices{{{NODE}}})", ""),
     )
-    registered = (
-        place(ts(), "Registered and stream open", 8, 8)
-        .with_target(
-            q(
-                f"max by (node, resource) (rdma_dp_resource_registered{{{NODE}}})",
-                "A",
-                "{{node}} {{resource}} registered",
-            )
-        )
-        .with_target(
-            q(
-                f"max by (node, resource) (rdma_dp_kubelet_stream_open{{{NODE}}})",
-                "B",
-                "{{node}} {{resource}} stream open",
-            )
-        )
+    registered = series(
+        "Registered and stream open",
+        8,
+        "node, resource",
+        (f"max by (node, resource) (rdma_dp_resource_registered{{{NODE}}})", "registered"),
+        (f"max by (node, resource) (rdma_dp_kubelet_stream_open{{{NODE}}})", "stream open"),
     )
-    loops = (
-        place(ts(), "Seconds since each loop last ran", 8, 8)
-        .unit("s")
-        .with_target(
-            q(
-                f"time() - max by (node, loop) (rdma_dp_loop_last_success_timestamp_seconds{{{NODE}}})",
-                "A",
-                "{{node}} {{loop}}",
-            )
-        )
-    )
+    loops = series(
+        "Seconds since each loop last ran",
+        8,
+        "node, loop",
+        (f"time() - max by (node, loop) (rdma_dp_loop_last_success_timestamp_seconds{{{NODE}}})", ""),
+    ).unit("s")
     dash = (
         db.Dashboard("RDMA device plugin (__RELEASE__)")
         .uid("__UID__")

@@ -7,11 +7,12 @@ the manifest's media types."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -29,16 +30,15 @@ ROOT = CHART_DIR.parents[1]
 VERSION = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text(encoding="utf-8"))["version"]
 
 
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _load(name: str) -> ModuleType:
+    """A module of the repository's lingjun.rdma collection, imported as Ansible imports it."""
+    if str(ROOT / "collections") not in sys.path:
+        sys.path.insert(0, str(ROOT / "collections"))
+    return importlib.import_module(f"ansible_collections.lingjun.rdma.plugins.modules.{name}")
 
 
-PUBLISH = _load(ROOT / "plugins" / "modules" / "rdma_chart_publish.py")
-PULL = _load(ROOT / "plugins" / "modules" / "rdma_chart_pull.py")
+PUBLISH = _load("rdma_chart_publish")
+PULL = _load("rdma_chart_pull")
 
 
 def _free_port() -> int:

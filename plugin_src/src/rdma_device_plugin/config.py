@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -32,6 +33,11 @@ _CDI_KIND = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-zA-Z0-9]([-a-zA-Z0-9
 
 class ConfigError(ValueError):
     """The config cannot be used; the message says which key and how to fix it."""
+
+    @classmethod
+    def listing(cls, what: str, problems: Sequence[str]) -> ConfigError:
+        """``invalid config <what>:`` and one indented line per problem."""
+        return cls(f"invalid config {what}:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def resource_name_problem(name: str) -> str | None:

@@ -66,7 +66,7 @@ class Supervisor:
     ) -> None:
         problems = socket_path_problems(config, device_plugin_dir)
         if problems:
-            raise ConfigError("invalid config for this device-plugin dir:\n" + "\n".join(f"  - {p}" for p in problems))
+            raise ConfigError.listing("for this device-plugin dir", problems)
         self.config = config
         self.dir = device_plugin_dir
         self.sysfs_root = sysfs_root
@@ -77,7 +77,7 @@ class Supervisor:
         self.pools = build_pools(config, self._numa_nodes(config, sysfs_root))
         problems = numa_pools.snapshot_problems([p.spec for p in self.pools])
         if problems:
-            raise ConfigError("invalid config for this node:\n" + "\n".join(f"  - {p}" for p in problems))
+            raise ConfigError.listing("for this node", problems)
         self.hooks = hooks or Hooks()
         self.hooks.pools_ready(self.pools)
         self.discovery = Discovery(config, self.pools, sysfs_root, dev_root, verbs, self.hooks)

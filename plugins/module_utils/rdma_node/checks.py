@@ -9,7 +9,12 @@ silently and does not fail the node (unless the caller asks for that, see ``skip
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,3 +87,20 @@ def strict(check: Check, fix: str) -> Check:
         label=check.label,
         gpu=check.gpu,
     )
+
+
+def same_across_nics(
+    name: str,
+    values: Mapping[str, T],
+    differs: Callable[[Mapping[str, T], T], str],
+    same: Callable[[T], str],
+    fix: str,
+) -> Check:
+    """A node-wide check that every NIC shows the same value (``values``: NIC -> value, in sysfs
+    order). The most common value wins (on a tie the first seen); the NICs that differ are named
+    in ``nic`` and in the message ``differs(odd, common)``, else the check passes with ``same(common)``."""
+    common = Counter(values.values()).most_common(1)[0][0]
+    odd = {nic: v for nic, v in values.items() if v != common}
+    if odd:
+        return Check(name, ",".join(odd), "", False, differs(odd, common), fix, label="")
+    return Check(name, "", "", True, same(common), label="")

@@ -25,10 +25,10 @@ import ipaddress
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .sysfs import PHYS_STATES, PORT_STATES
 
@@ -148,6 +148,22 @@ class GpuSpec:
     pcie_max_width: int = 16
 
 
+_Spec = TypeVar("_Spec", NicSpec, GpuSpec)
+
+
+def _specs_from_dicts(spec: type[_Spec], key: str, items: Iterable[Mapping[str, Any]]) -> tuple[_Spec, ...]:
+    """``nics``/``gpus`` of a spec file: each item's keys checked against the dataclass, lists as tuples."""
+    allowed = {f.name for f in fields(spec)}
+    specs = []
+    for i, item in enumerate(items):
+        bad = sorted(set(item) - allowed)
+        if bad:
+            raise ValueError(f"{key}[{i}]: unknown key(s) {bad}; allowed: {sorted(allowed)}")
+        kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in item.items()}
+        specs.append(spec(**kwargs))
+    return tuple(specs)
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     nics: tuple[NicSpec, ...]
@@ -170,31 +186,15 @@ class NodeSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> NodeSpec:
         """Build from plain data (JSON/YAML spec files used by molecule)."""
         node_keys = {f.name for f in fields(cls)}
-        nic_keys = {f.name for f in fields(NicSpec)}
-        gpu_keys = {f.name for f in fields(GpuSpec)}
         unknown = sorted(set(data) - node_keys)
         if unknown:
             raise ValueError(f"unknown node spec key(s) {unknown}; allowed: {sorted(node_keys)}")
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
             if key == "nics":
-                nics = []
-                for i, nic in enumerate(value):
-                    bad = sorted(set(nic) - nic_keys)
-                    if bad:
-                        raise ValueError(f"nics[{i}]: unknown key(s) {bad}; allowed: {sorted(nic_keys)}")
-                    nic_kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in nic.items()}
-                    nics.append(NicSpec(**nic_kwargs))
-                kwargs["nics"] = tuple(nics)
+                kwargs[key] = _specs_from_dicts(NicSpec, key, value)
             elif key == "gpus":
-                gpus = []
-                for i, gpu in enumerate(value):
-                    bad = sorted(set(gpu) - gpu_keys)
-                    if bad:
-                        raise ValueError(f"gpus[{i}]: unknown key(s) {bad}; allowed: {sorted(gpu_keys)}")
-                    gpu_kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in gpu.items()}
-                    gpus.append(GpuSpec(**gpu_kwargs))
-                kwargs["gpus"] = tuple(gpus)
+                kwargs[key] = _specs_from_dicts(GpuSpec, key, value)
             else:
                 kwargs[key] = tuple(value) if isinstance(value, list) else value
         return cls(**kwargs)

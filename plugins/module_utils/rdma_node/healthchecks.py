@@ -63,12 +63,11 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import dcb, gids, gpudirect, lossless, memlock, netdev, pcie, perftest, portcounters, sysfs, text, topology
-from .checks import Check, skipped, strict
+from .checks import Check, same_across_nics, skipped, strict
 
 PCIE_LINK = "pcie_link"
 GPU_PCIE_LINK = "gpu_pcie_link"
@@ -620,29 +619,18 @@ def _gid_consistency(reads: Sequence[NicRead], family: str) -> Check | None:
     roce = [r for r in reads if r.ethernet and 1 in r.gid_index]
     if not roce:
         return None
-    picks = {r.nic.name: r.gid_index[1] for r in roce}
-    common = Counter(picks.values()).most_common(1)[0][0]
-    odd = {n: i for n, i in picks.items() if i != common}
     port_of = {r.nic.name: r.nic.ports[0] for r in roce}
-    if odd:
-        shown = ", ".join(f"{n}={gids.describe(port_of[n], i)}" for n, i in sorted(odd.items()))
-        return Check(
-            GID_INDEX,
-            ",".join(sorted(odd)),
-            "",
-            False,
-            f"NCCL ({family}) picks a different GID index on {shown} than {common} on the other NICs",
-            "give every NIC's netdev the same addresses (NCCL chooses the GID by NCCL_IB_ADDR_FAMILY and "
-            "RoCE v2), or set NCCL_IB_GID_INDEX; show_gids lists the tables",
-            label="",
-        )
-    first = roce[0]
-    return Check(
+    return same_across_nics(
         GID_INDEX,
-        "",
-        "",
-        True,
-        f"NCCL ({family}) picks GID index {gids.describe(first.nic.ports[0], common)} on every NIC",
+        {r.nic.name: r.gid_index[1] for r in roce},
+        lambda odd, common: (
+            f"NCCL ({family}) picks a different GID index on "
+            + ", ".join(f"{n}={gids.describe(port_of[n], i)}" for n, i in odd.items())
+            + f" than {common} on the other NICs"
+        ),
+        lambda common: f"NCCL ({family}) picks GID index {gids.describe(roce[0].nic.ports[0], common)} on every NIC",
+        "give every NIC's netdev the same addresses (NCCL chooses the GID by NCCL_IB_ADDR_FAMILY and "
+        "RoCE v2), or set NCCL_IB_GID_INDEX; show_gids lists the tables",
     )
 
 
@@ -873,22 +861,19 @@ def _mtu_consistency(eth: Sequence[NicRead], want: Expectations) -> Check:
         mtu = r.netdevs[owner].mtu if owner in r.netdevs else None
         active = sorted(set(r.active_mtu.values())) if r.active_mtu else [roce_active_mtu(mtu or 0)]
         seen[r.nic.name] = (mtu, tuple(active))
-    common = Counter(seen.values()).most_common(1)[0][0]
-    odd = {n: v for n, v in seen.items() if v != common}
-    if odd:
-        shown = ", ".join(f"{n}=MTU {v[0]}/RoCE {'/'.join(map(str, v[1]))}" for n, v in sorted(odd.items()))
-        return Check(
-            MTU_CONSISTENT,
-            ",".join(sorted(odd)),
-            "",
-            False,
-            f"MTU differs across NICs: {shown} while the others have MTU {common[0]}/RoCE "
-            f"{'/'.join(map(str, common[1]))}",
-            "give every RoCE netdev the same MTU (a path runs at the smallest)",
-            label="",
-        )
-    return Check(
-        MTU_CONSISTENT, "", "", True, f"every NIC has MTU {common[0]}, RoCE active MTU {'/'.join(map(str, common[1]))}"
+
+    def shown(v: tuple[int | None, tuple[int, ...]]) -> str:
+        return f"MTU {v[0]}/RoCE {'/'.join(map(str, v[1]))}"
+
+    return same_across_nics(
+        MTU_CONSISTENT,
+        seen,
+        lambda odd, common: (
+            f"MTU differs across NICs: {', '.join(f'{n}={shown(v)}' for n, v in odd.items())} "
+            f"while the others have {shown(common)}"
+        ),
+        lambda common: f"every NIC has MTU {common[0]}, RoCE active MTU {'/'.join(map(str, common[1]))}",
+        "give every RoCE netdev the same MTU (a path runs at the smallest)",
     )
 
 

@@ -31,13 +31,12 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from . import sysfs
-from .checks import Check
+from .checks import Check, same_across_nics
 
 LINK_LAYERS = ("Ethernet", "InfiniBand")
 
@@ -143,21 +142,17 @@ def check(
         _nic_checks(nic, want, add)
 
     if want.fw_consistent and len(node.nics) > 1:
-        # the most common version wins; on a tie the first one seen (sysfs order)
-        common = Counter(n.fw_ver for n in node.nics).most_common(1)[0][0]
-        odd = [n for n in node.nics if n.fw_ver != common]
-        pairs = ", ".join(f"{n.name}={n.fw_ver or 'unknown'}" for n in odd)
         out.append(
-            Check(
+            same_across_nics(
                 "firmware_consistent",
-                ",".join(n.name for n in odd),
-                "",
-                not odd,
-                f"firmware differs across NICs: {pairs} while the others run {common}"
-                if odd
-                else f"every NIC runs firmware {common}",
-                "flash the same firmware on every NIC (mlxfwmanager --online -u) and reboot." if odd else "",
-                label="",
+                {n.name: n.fw_ver for n in node.nics},
+                lambda odd, common: (
+                    "firmware differs across NICs: "
+                    + ", ".join(f"{n}={v or 'unknown'}" for n, v in odd.items())
+                    + f" while the others run {common}"
+                ),
+                lambda common: f"every NIC runs firmware {common}",
+                "flash the same firmware on every NIC (mlxfwmanager --online -u) and reboot.",
             )
         )
 
