@@ -38,10 +38,10 @@ def run_playbook(*args: str, timeout: int = 900, **env: str) -> subprocess.Compl
     )
 
 
-def node_info(python: str, *args: str) -> dict[str, Any]:
+def node_info_run(python: str, options: dict[str, Any]) -> subprocess.CompletedProcess[str]:
     """One ad-hoc ``rdma_node_info`` run on localhost with ``python`` as the node's interpreter (real
-    AnsiballZ); ``args`` are ``key=value`` module options over the real roots."""
-    run = subprocess.run(
+    AnsiballZ), ``options`` as JSON (dicts and lists too) over the real roots; the raw run."""
+    return subprocess.run(
         [
             str(BIN / "ansible"),
             "localhost",
@@ -50,14 +50,7 @@ def node_info(python: str, *args: str) -> dict[str, Any]:
             "-m",
             "lingjun.rdma.rdma_node_info",
             "-a",
-            json.dumps(
-                {
-                    "sysfs_root": "/sys",
-                    "procfs_root": "/proc",
-                    "dev_root": "/dev",
-                    **dict(a.split("=", 1) for a in args),
-                }
-            ),
+            json.dumps({"sysfs_root": "/sys", "procfs_root": "/proc", "dev_root": "/dev", **options}),
             "-e",
             f"ansible_python_interpreter={python}",
         ],
@@ -68,6 +61,11 @@ def node_info(python: str, *args: str) -> dict[str, Any]:
         timeout=600,
         check=False,
     )
+
+
+def node_info(python: str, *args: str) -> dict[str, Any]:
+    """:func:`node_info_run` with ``key=value`` options; the module's result, which must have succeeded."""
+    run = node_info_run(python, dict(a.split("=", 1) for a in args))
     assert run.returncode == 0, run.stdout + run.stderr
     result: dict[str, Any] = json.loads(run.stdout)["plays"][0]["tasks"][0]["hosts"]["localhost"]
     assert "exception" not in result and "Traceback" not in run.stdout + run.stderr, result

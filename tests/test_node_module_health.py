@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from conftest import BIN, ROOT, ansible_env, node_info
+from conftest import node_info, node_info_run
 from rdma_device_plugin.node import fixtures
 
 ROW_KEYS = {"name", "nic", "netdev", "gpu", "passed", "skipped", "message", "role"}
@@ -24,18 +24,10 @@ def _roots(node: fixtures.FixtureNode) -> list[str]:
 
 
 def _run(node: fixtures.FixtureNode, **options: Any) -> subprocess.CompletedProcess[str]:
-    """The module with JSON options (dicts and lists too); the raw run, failed or not."""
-    args = {"sysfs_root": node.sysfs, "procfs_root": node.procfs, "dev_root": node.dev, **options}
-    return subprocess.run(
-        [str(BIN / "ansible"), "localhost", "-c", "local", "-m", "lingjun.rdma.rdma_node_info", "-a", json.dumps(args),
-         "-e", f"ansible_python_interpreter={sys.executable}"],
-        cwd=ROOT,
-        env={**ansible_env(), "ANSIBLE_STDOUT_CALLBACK": "json", "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )  # fmt: skip
+    """The module on the fixture node with JSON options; the raw run, failed or not."""
+    return node_info_run(
+        sys.executable, {"sysfs_root": node.sysfs, "procfs_root": node.procfs, "dev_root": node.dev, **options}
+    )
 
 
 def _result(run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -69,7 +61,7 @@ def test_a_bond_member_down_fails_and_is_recorded_when_asked(tmp_path: Path) -> 
     node = fixtures.write_node(str(tmp_path / "n"), spec)
     plain = node_info(sys.executable, *_roots(node), "record_host=node-1")
     fact = plain["ansible_facts"]["rdma_validation"]
-    assert {c["role"] for c in fact["checks"]} == {"rdma_nic_validate"}  # as before: health not recorded
+    assert fact["checks"] == [] and set(fact["passed_checks"]) == {"rdma_nic_validate"}  # health not recorded
     assert "health" not in fact["summary"]
     recorded = node_info(sys.executable, *_roots(node), "record_host=node-1", "health_record=true")
     fact = recorded["ansible_facts"]["rdma_validation"]
@@ -78,6 +70,15 @@ def test_a_bond_member_down_fails_and_is_recorded_when_asked(tmp_path: Path) -> 
     assert fact["summary"]["health"] == "failed" and fact["summary"]["nic_count"] == 4
     assert "mlx5_bond_1 (bond1): slave eth3 MII status down. Fix:" in "\n".join(c["message"] for c in fact["checks"])
     assert "node" in recorded and "checks" not in recorded["node"]  # the lean result, as before
+    # Every row is either kept (failed, not checked) or counted (a plain pass), none lost:
+    full = node_info(sys.executable, *_roots(node))["node"]["checks"]
+    every = full["rdma_nic_validate"] + full["rdma_node_health"]
+    kept = [(c["name"], c["nic"]) for c in every if not c["passed"] or c.get("skipped")]
+    assert sorted((c["name"], c["nic"]) for c in fact["checks"]) == sorted(kept)
+    assert {c["name"] for c in fact["checks"] if c["passed"]} == {"roce_pfc", "link_flap"}  # not checked
+    counted = fact["passed_checks"]
+    assert sum(n for per_role in counted.values() for n in per_role.values()) == len(every) - len(kept)
+    assert counted["rdma_nic_validate"]["port_state"] == 4 and counted["rdma_node_health"]["gpu_pcie_link"] == 8
 
 
 def test_options_shape_the_checks(tmp_path: Path) -> None:

@@ -64,7 +64,13 @@ def test_report_takes_each_hosts_fact_and_read_without_echoing_them(tmp_path: Pa
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "report" / "rdma-validation.json").read_text())
     nodes = report["nodes"]
-    assert nodes["node-ok"]["validated"] and nodes["node-ok"]["checks"], nodes["node-ok"]
+    ok = nodes["node-ok"]
+    assert ok["validated"] and ok["passed"] and ok["checks"] == [], ok  # plain passes are counts, not rows
+    assert ok["passed_checks"]["rdma_nic_validate"]["port_state"] == ok["summary"]["nic_count"] > 0, ok
+    md = (tmp_path / "report" / "rdma-validation.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| node-ok |"))
+    passed = sum(ok["passed_checks"]["rdma_nic_validate"].values())
+    assert row.split(" | ")[4:6] == [str(passed), "0"], row  # checks passed, checks failed
     assert report["not_validated"] == ["node-bad", "node-none"]
     assert nodes["node-bad"]["failed"][0].startswith("not validated: read: Unsupported parameters"), nodes["node-bad"]
     assert nodes["node-none"]["failed"][0].startswith("not validated (unreachable"), nodes["node-none"]

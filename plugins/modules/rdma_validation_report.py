@@ -133,8 +133,16 @@ def _entry(host: str, node_name: str, fact: Any, today: str) -> dict[str, Any]:
         if errors:
             reason = "not validated: " + "; ".join(f"{role}: {msg}" for role, msg in sorted(errors.items()))
         return {**base, "validated": False, "passed": False, "failed": [reason], "checks": [], "summary": {}}
-    checks = list(fact.get("checks") or [])
-    return _judged({**base, "validated": True, "checks": checks, "summary": dict(fact.get("summary") or {})})
+    entry = {**base, "validated": True, "checks": list(fact.get("checks") or []), "summary": dict(fact.get("summary") or {})}
+    if fact.get("passed_checks"):  # the plain passes as counts (rdma_node_info's fleet fact)
+        entry["passed_checks"] = fact["passed_checks"]
+    return _judged(entry)
+
+
+def passed_count(entry: dict[str, Any]) -> int:
+    """Checks passed: the passing rows plus the passes recorded as counts (``passed_checks``)."""
+    rows = sum(1 for c in entry.get("checks") or [] if c.get("passed"))
+    return rows + sum(n for per_role in (entry.get("passed_checks") or {}).values() for n in per_role.values())
 
 
 def _judged(entry: dict[str, Any]) -> dict[str, Any]:
@@ -222,14 +230,14 @@ def markdown(report: dict[str, Any]) -> str:
         s = n.get("summary") or {}
         checks = n.get("checks") or []
         result = "PASS" if n.get("passed") else ("FAIL" if n.get("validated") else "NOT VALIDATED")
-        ok = sum(1 for c in checks if c.get("passed"))
+        ok = passed_count(n)
         row = [
             host,
             result,
             n.get("node_name", host),
             n.get("validated_on", "-"),
             ok,
-            len(checks) - ok,
+            sum(1 for c in checks if not c.get("passed")),
             s.get("nic_count", "-") if s.get("nic_count") is not None else "-",
             s.get("link_layers") or "-",
             s.get("firmware") or "-",
