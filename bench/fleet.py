@@ -33,7 +33,11 @@ the play stays real. Use it for the controller memory at 5000 hosts, not for the
 
 Prints, per phase, the wall time, wall and CPU time per host, the ratio to ping and the peak
 RSS of the largest process of the run (the controller or one of its forks), with the load
-average beside them (the machine is shared: figures are noisy). ``--write-results`` puts the
+average beside them (the machine is shared: figures are noisy). The CPU is split in two: the
+module processes (the "node" side: every host's Python runs under GNU time, through the
+``node-python`` wrapper the inventory names as its interpreter) and the rest (the controller:
+ansible's main process and its forks). Here both share one machine; on a fleet the node side runs
+on the nodes, in parallel, and the controller's share is what grows with the fleet. ``--write-results`` puts the
 table into bench/RESULTS.md (section "Ansible fleet").
 
     .venv/bin/python bench/fleet.py --hosts 120 [--hosts 1000] [--forks 20] [--write-results]
@@ -52,6 +56,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,6 +77,7 @@ FAKE_PLUGINS = ROOT / "bench" / "fleet_plugins" / "action"
 EMULATOR = [sys.executable, str(ROOT / "scripts" / "kube-emulator.py")]
 PAGE = 500  # rdma_cluster_nodes' default page size
 PHASES = ("ping", "validate", "deploy", "verify")
+GNU_TIME = "/usr/bin/time"  # -a -o FILE -f FORMAT: the CPU of each module process, appended to one file
 REPORT_KEYS = ("total", "passed", "failed", "not_validated")
 READY_KEYS = ("desiredNumberScheduled", "updatedNumberScheduled", "numberReady", "numberAvailable")
 
@@ -84,6 +90,7 @@ class Figure:
     cpu_s: float
     max_rss_mb: float
     load: tuple[float, float, float]
+    node_cpu_s: float | None = None  # the module processes' CPU (None: no GNU time here)
 
     @property
     def per_host_s(self) -> float:
@@ -111,7 +118,37 @@ def fixture_of(i: int, nodes: list[tuple[str, str]]) -> tuple[str, str]:
     return nodes[0] if i % 10 else nodes[1 + (i // 10) % (len(nodes) - 1)]
 
 
-def write_inventory(base: Path, hosts: int, nodes: list[tuple[str, str]], kubeconfig: Path | None = None) -> Path:
+def node_python(base: Path) -> str:
+    """The hosts' interpreter: Python under GNU time, appending each module process's CPU to
+    ``base/node-cpu.txt``; plain Python where GNU time is missing."""
+    probe = [GNU_TIME, "-f", "%U", "true"]
+    if not (shutil.which(GNU_TIME) and subprocess.run(probe, check=False, capture_output=True).returncode == 0):
+        return sys.executable
+    wrapper = base / "node-python"
+    out = base / "node-cpu.txt"
+    wrapper.write_text(f"#!/bin/sh\nexec {GNU_TIME} -a -o '{out}' -f '%U %S' '{sys.executable}' \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def node_cpu(base: Path) -> float | None:
+    """The CPU seconds the module processes recorded since the last call (and start over)."""
+    path = base / "node-cpu.txt"
+    if not (base / "node-python").exists():
+        return None
+    lines = path.read_text().splitlines() if path.exists() else []
+    path.write_text("")
+    # GNU time adds "Command exited with non-zero status N" before the figures of a failed module
+    return sum(float(u) + float(s) for u, s in (line.split() for line in lines if re.fullmatch(r"[\d.]+ [\d.]+", line)))
+
+
+def write_inventory(
+    base: Path,
+    hosts: int,
+    nodes: list[tuple[str, str]],
+    kubeconfig: Path | None = None,
+    interpreter: str = sys.executable,
+) -> Path:
     """JSON inventory (a YAML subset) of N fixture hosts; with ``kubeconfig``, the cluster of the emulator."""
     host_vars = {}
     for i in range(hosts):
@@ -126,7 +163,7 @@ def write_inventory(base: Path, hosts: int, nodes: list[tuple[str, str]], kubeco
         "all": {
             "vars": {
                 "ansible_connection": "local",
-                "ansible_python_interpreter": sys.executable,
+                "ansible_python_interpreter": interpreter,
                 "rdma_nic_validate_expected_nics": 4,
                 "rdma_nic_validate_link_layer": "Ethernet",
                 "rdma_non_host_network": True,
@@ -154,6 +191,7 @@ def run(
         "print(json.dumps({'rc': rc, 'cpu': u.ru_utime + u.ru_stime, 'rss_kb': u.ru_maxrss}))"
     )
     load = os.getloadavg()
+    node_cpu(log.parent)  # start the module processes' count at zero
     start = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-c", probe, str(log), *argv], env=env, check=True, capture_output=True, text=True
@@ -163,7 +201,9 @@ def run(
     print(f"{phase}: {wall:.1f} s wall, {got['cpu']:.1f} s CPU over {hosts} hosts (rc {got['rc']})", flush=True)
     if got["rc"] not in ok_rc:  # validate: 2/4, failed/unreachable hosts are part of the fixture fleet
         raise SystemExit(f"{phase} exited {got['rc']}: {' '.join(argv)}; see {log}:\n{log.read_text()[-3000:]}")
-    return Figure(hosts, phase, wall, got["cpu"], got["rss_kb"] / 1024, (load[0], load[1], load[2])), got["rc"]
+    node = node_cpu(log.parent)
+    figure = Figure(hosts, phase, wall, got["cpu"], got["rss_kb"] / 1024, (load[0], load[1], load[2]), node)
+    return figure, got["rc"]
 
 
 class Emulator:
@@ -251,7 +291,8 @@ def bench(
             print(f"seeding the API emulator with {hosts} nodes", flush=True)
             cluster = Emulator(base, hosts, broken)
         try:
-            inventory = write_inventory(base, hosts, nodes, cluster.kubeconfig if cluster else None)
+            kubeconfig = cluster.kubeconfig if cluster else None
+            inventory = write_inventory(base, hosts, nodes, kubeconfig, node_python(base))
             suffix = " (fake facts)" if fake_facts else ""
             if "ping" in phases:
                 ping = [str(VENV_BIN / "ansible"), "rdma_nodes", "-i", str(inventory), "-m", "ansible.builtin.ping"]
@@ -317,14 +358,21 @@ def check_verify(log: Path, rc: int, hosts: int, broken: set[str], lists: int) -
 
 def table(figures: list[Figure]) -> str:
     lines = [
-        "| hosts | phase | wall s | s/host | x ping/host | CPU s/host | peak RSS MB | load avg at start |",
-        "|---|---|---|---|---|---|---|---|",
+        "| hosts | phase | wall s | s/host | x ping/host | CPU s/host | node CPU s/host | controller CPU s/host "
+        "| x ping (controller CPU) | peak RSS MB | load avg at start |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ping = {f.hosts: f for f in figures if f.phase == "ping"}
     for f in figures:
-        ratio = f"{f.per_host_s / ping[f.hosts].per_host_s:.2f}" if f.hosts in ping else "-"
+        base = ping.get(f.hosts)
+        ratio = f"{f.per_host_s / base.per_host_s:.2f}" if base else "-"
+        node = f"{f.node_cpu_s / f.hosts:.3f}" if f.node_cpu_s is not None else "-"
+        controller = (f.cpu_s - f.node_cpu_s) / f.hosts if f.node_cpu_s is not None else None
+        base_controller = (base.cpu_s - base.node_cpu_s) / base.hosts if base and base.node_cpu_s is not None else None
+        c_ratio = f"{controller / base_controller:.2f}" if controller is not None and base_controller else "-"
         lines.append(
             f"| {f.hosts} | {f.phase} | {f.wall_s:.1f} | {f.per_host_s:.3f} | {ratio} | {f.cpu_s / f.hosts:.3f} "
+            f"| {node} | {'-' if controller is None else f'{controller:.3f}'} | {c_ratio} "
             f"| {f.max_rss_mb:.0f} | {' '.join(f'{x:.2f}' for x in f.load)} |"
         )
     return "\n".join(lines)
