@@ -96,6 +96,11 @@ class Figure:
     def per_host_s(self) -> float:
         return self.wall_s / self.hosts
 
+    @property
+    def controller_cpu_per_host_s(self) -> float | None:
+        """CPU a host outside the module processes: ansible's main process and its forks."""
+        return None if self.node_cpu_s is None else (self.cpu_s - self.node_cpu_s) / self.hosts
+
 
 def write_fixtures(base: Path) -> list[tuple[str, str]]:
     """A few fixture nodes: (name, root); a missing root stands for a wrongly set inventory."""
@@ -367,8 +372,8 @@ def table(figures: list[Figure]) -> str:
         base = ping.get(f.hosts)
         ratio = f"{f.per_host_s / base.per_host_s:.2f}" if base else "-"
         node = f"{f.node_cpu_s / f.hosts:.3f}" if f.node_cpu_s is not None else "-"
-        controller = (f.cpu_s - f.node_cpu_s) / f.hosts if f.node_cpu_s is not None else None
-        base_controller = (base.cpu_s - base.node_cpu_s) / base.hosts if base and base.node_cpu_s is not None else None
+        controller = f.controller_cpu_per_host_s
+        base_controller = base.controller_cpu_per_host_s if base else None
         c_ratio = f"{controller / base_controller:.2f}" if controller is not None and base_controller else "-"
         lines.append(
             f"| {f.hosts} | {f.phase} | {f.wall_s:.1f} | {f.per_host_s:.3f} | {ratio} | {f.cpu_s / f.hosts:.3f} "
