@@ -7,7 +7,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo stop status prometheus-local test lint test-plugin test-chart test-ops test-molecule collection image bench bench-fleet proto clean
+.PHONY: help setup system-deps demo stop status prometheus-local test lint test-plugin test-chart test-ops test-molecule collection image bench bench-fleet proto clean kube cluster-up cluster-down
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -30,6 +30,18 @@ system-deps: ## install the Debian packages the tests use (buildah, registry, py
 	bash scripts/setup-system.sh
 
 setup: $(VENV)/.stamp ## create .venv from the pinned requirements
+
+# Upstream Kubernetes from the modules pinned in kube/go.mod (the version is that one pin:
+# scripts/kube-bump.sh VERSION moves it). The first build compiles for tens of minutes on 2 cores and
+# prints progress; later ones come from Go's build cache in seconds.
+kube: ## build etcd, kube-apiserver, -controller-manager, -scheduler, kubectl, helm and kubelet-managers into .cache/kubernetes/<version>/bin
+	bash scripts/kube-build.sh
+
+cluster-up: setup kube ## a local control plane of upstream Kubernetes on 127.0.0.1; writes out/cluster/kubeconfig
+	$(PY) scripts/kube_cluster.py up --no-build
+
+cluster-down: ## stop every process cluster-up started
+	@if [ -x $(PY) ]; then $(PY) scripts/kube_cluster.py down; else python3 scripts/kube_cluster.py down; fi
 
 demo: setup ## the main job on the local default: validate, deploy and verify a fixture Lingjun node via Ansible
 	$(BIN)/ansible-playbook playbooks/site.yml -i inventories/local
@@ -55,7 +67,7 @@ prometheus-local: setup system-deps ## a real Prometheus with the chart's alerts
 lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
 	cd plugin_src && $(BIN)/mypy
-	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node
+	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py
 	$(BIN)/ruff check --select F,E9 plugins scripts  # modules run on nodes (any Python 3): pyflakes-level checks only
 	$(BIN)/yamllint -s .
 	bash scripts/check-proto.sh
