@@ -46,7 +46,8 @@ class Policy:
 
     def evaluate(self, pod: dict[str, Any], operation: str = "CREATE", namespace: str = "default",
                  old: Optional[dict[str, Any]] = None) -> Optional[list[str]]:
-        """None when the policy does not apply (a matchCondition is false), else the violation messages."""
+        """None when the policy does not apply (a matchCondition is false), else the violation messages.
+        The API server denies with the first of them only (test_real_cluster.py shows it)."""
         kind = pod.get("kind", "Pod")
         activation: dict[str, Any] = {
             "object": celpy.json_to_cel(pod),
