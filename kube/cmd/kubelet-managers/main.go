@@ -5,8 +5,8 @@
 // one request object per line on stdin, exactly one response object per line on stdout. Nothing else
 // is ever written to stdout; klog goes to the -klog file.
 //
-// The protocol is kubelet-dm-serve's (../shared/tools/real-kubelet/README.md, which this replaces)
-// plus a start that joins a cluster (node.go) and the ops that come with it: kube/README.md.
+// The protocol is kubelet-dm-serve's (kube/v1.32, whose v1.32 build this replaces for everything but
+// the 1.28-1.34 re-registration behaviour) plus a start that joins a cluster (node.go): kube/README.md.
 //
 // Built by scripts/kube-build.sh, with overlay/devicemanager/zz_kubelet_managers.go added to the
 // devicemanager package through a go build -overlay.
