@@ -124,6 +124,22 @@ def test_drift_names_the_odd_nodes_out_with_value_fleet_value_and_fix() -> None:
         fleet.drift(nodes, "off")
 
 
+def test_a_node_whose_ports_all_trained_low_drifts_on_port_rate() -> None:
+    """Issue 32: the node's own rate check compares its ports with each other; a node whose ports all run at
+    2X NDR passes it, and the fleet's most common rate is the reference."""
+    nodes = {f"n{i}": _node() for i in range(3)}
+    for entry in nodes.values():
+        entry["summary"]["port_rates"] = ["400 Gb/sec (4X NDR)"]
+    nodes["low"] = _node()
+    nodes["low"]["summary"]["port_rates"] = ["200 Gb/sec (2X NDR)"]
+    found = fleet.drift(nodes, "warn")
+    assert sorted(found) == ["low"] and [r["name"] for r in found["low"]] == ["drift_port_rate"]
+    assert found["low"][0]["message"].startswith(
+        "port rate 200 Gb/sec (2X NDR) differs across the fleet: the fleet's most common is 400 Gb/sec (4X NDR) "
+        "(3 of 4 nodes). Fix: check the cables/transceivers"
+    )
+
+
 def test_drift_on_a_tie_names_every_node_and_one_node_never_drifts() -> None:
     tie = fleet.drift({"a": _node(kernel="5.15"), "b": _node(kernel="6.8")}, "fail")
     message = tie["a"][0]["message"]

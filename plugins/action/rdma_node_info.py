@@ -17,6 +17,7 @@ import tempfile
 from urllib.parse import quote
 
 from ansible.plugins.action import ActionBase
+from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_action import execute_beside
 
 MODULE = "rdma_node_info"
 
@@ -63,15 +64,12 @@ class ActionModule(ActionBase):
             path = baseline_path(directory, task_vars["inventory_hostname"])
             if args.get("counter_baseline") is None:
                 args["counter_baseline"] = load(path)
-        try:
-            module = self._task.resolved_action or MODULE
-            result.update(self._execute_module(module_name=module, module_args=args, task_vars=task_vars))
-        finally:
-            self._remove_tmp_path(self._connection._shell.tmpdir)
+        result.update(execute_beside(self, MODULE, args, task_vars))
         node = result.get("node")
         following = node.pop("counter_baseline_next", None) if isinstance(node, dict) else None
         # Not echoed back into every host's registered result (controller memory at fleet scale).
         result.get("invocation", {}).get("module_args", {}).pop("counter_baseline", None)
-        if path and following is not None and not result.get("failed") and not self._task.check_mode:
+        # --check writes nothing: ansible_check_mode is the run's, whatever the read task's own check_mode: false
+        if path and following is not None and not result.get("failed") and not task_vars.get("ansible_check_mode"):
             store(path, following)
         return result
