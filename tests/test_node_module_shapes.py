@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import node_info, node_info_run
 from rdma_device_plugin.node import fixtures
 
@@ -184,4 +183,6 @@ def test_the_counters_of_the_previous_run_are_kept_per_host_on_the_controller(tm
         assert len(bad) == 1 and bad[0].startswith(
             "mlx5_bond_1: error counters grew: port 1 excessive_buffer_overrun_errors 0 -> 1 since the previous run ("
         )
-        assert json.loads((stored / "localhost.json").read_text())["nics"]["mlx5_bond_1"] == saved["nics"]["mlx5_bond_1"]
+        assert (
+            json.loads((stored / "localhost.json").read_text())["nics"]["mlx5_bond_1"] == saved["nics"]["mlx5_bond_1"]
+        )

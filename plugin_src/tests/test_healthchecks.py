@@ -556,13 +556,10 @@ def test_gid_index_differs_across_nics_only_matters_when_pinned(short_tmp: Path)
     assert gid["mlx5_bond_0"] == "mlx5_bond_0: port 1: NCCL (AF_INET) picks GID 3 (RoCE v2 10.0.0.11)"
     pinned = _checks(short_tmp / "b", spec, Expectations(nccl_gid_index=3))
     assert _failed(pinned) == [("gid_index", "mlx5_bond_1")]
-    assert (
-        _row(pinned, "gid_index", "mlx5_bond_1")
-        .message()
-        .startswith(
-            "mlx5_bond_1: port 1: NCCL_IB_GID_INDEX=3 (pinned by the deployment) is 3 (RoCE v2 2001:db8:1::11): not a "
-            "RoCE v2 GID with an AF_INET address; NCCL's own choice here would be 5 (RoCE v2 10.0.1.11). Fix: unpin"
-        )
+    message = _row(pinned, "gid_index", "mlx5_bond_1").message()
+    assert message.startswith(
+        "mlx5_bond_1: port 1: NCCL_IB_GID_INDEX=3 (pinned by the deployment) is 3 (RoCE v2 2001:db8:1::11): not a "
+        "RoCE v2 GID with an AF_INET address; NCCL's own choice here would be 5 (RoCE v2 10.0.1.11). Fix: unpin"
     )
 
 
@@ -570,13 +567,10 @@ def test_no_usable_gid_fails_naming_the_nic(short_tmp: Path) -> None:
     # no address at all on one NIC: NCCL would fall back to the link-local RoCE v1 GID 0
     checks = _checks(short_tmp / "n", _nic("mlx5_bond_2", ipv6=()))
     assert _failed(checks) == [("gid_index", "mlx5_bond_2")]
-    assert (
-        _row(checks, "gid_index", "mlx5_bond_2")
-        .message()
-        .startswith(
-            "mlx5_bond_2: port 1: NCCL (AF_INET6) picks GID 0 (IB/RoCE v1 fe80::bace:f6ff:fe5a:1): not a RoCE v2 GID "
-            "with an AF_INET6 address. Fix: give bond2 an address of the compute network"
-        )
+    message = _row(checks, "gid_index", "mlx5_bond_2").message()
+    assert message.startswith(
+        "mlx5_bond_2: port 1: NCCL (AF_INET6) picks GID 0 (IB/RoCE v1 fe80::bace:f6ff:fe5a:1): not a RoCE v2 GID "
+        "with an AF_INET6 address. Fix: give bond2 an address of the compute network"
     )
 
 
