@@ -95,6 +95,7 @@ PAGE = 500  # rdma_cluster_nodes' default page size
 PHASES = ("ping", "validate", "deploy", "verify")
 GNU_TIME = "/usr/bin/time"  # -a -o FILE -f FORMAT: the CPU of each module process, appended to one file
 REPORT_KEYS = ("total", "passed", "failed", "not_validated")
+API_NAMES = {"emulator": "API emulator", "real": "kube-apiserver v1.37.2"}
 READY_KEYS = ("desiredNumberScheduled", "updatedNumberScheduled", "numberReady", "numberAvailable")
 
 
@@ -288,6 +289,72 @@ class Emulator:
         subprocess.run([*EMULATOR, "stop", "--kubeconfig", str(self.kubeconfig)], check=True, stdout=subprocess.DEVNULL)
 
 
+class RealCluster:
+    """The same fleet in a real kube-apiserver v1.37.2 (scripts/kube_cluster.py, `make kube`): N Node
+    objects whose status the bench writes as their kubelets would, and the release's DaemonSets with
+    the status their controller would write. No kubelet runs on these nodes, so the cluster runs no
+    DaemonSet and no node lifecycle controller (they would schedule pods nobody runs and taint every
+    node unreachable after 40 s); everything verify reads is served by the real API server, and the
+    node lists it made are counted from the server's own apiserver_request_total."""
+
+    def __init__(self, base: Path, hosts: int, broken: set[str]) -> None:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from kube_cluster import Cluster
+
+        self.cluster = Cluster(base / "cluster", controllers="*,-daemonset,-nodelifecycle").up()
+        self.kubeconfig = self.cluster.kubeconfig
+        self.server = self.cluster.server()
+        self.ctx = self.cluster.ssl_context()
+        for i in range(hosts):
+            name = f"node-{i:05d}"
+            res = {} if name in broken else {"rdma/hca": "1k"}
+            self.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+            status = {"capacity": {"cpu": "192", **res}, "allocatable": {"cpu": "189", **res}}
+            self.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": status}, "application/merge-patch+json")
+        labels = {"app.kubernetes.io/instance": "rdma", "app.kubernetes.io/component": "device-plugin"}
+        for mode, n in (("shared", hosts - len(broken)), ("exclusive", 0)):
+            path = "/apis/apps/v1/namespaces/kube-system/daemonsets"
+            meta = {"name": f"rdma-rdma-device-plugin-{mode}", "namespace": "kube-system", "labels": labels}
+            select = {"matchLabels": {"app": meta["name"]}}
+            template = {
+                "metadata": {"labels": {"app": meta["name"]}},
+                "spec": {"containers": [{"name": "plugin", "image": "rdma-device-plugin"}]},
+            }
+            spec = {"selector": select, "template": template}
+            ds = self.request(
+                "POST", path, {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": meta, "spec": spec}
+            )
+            status = {
+                "observedGeneration": ds["metadata"]["generation"],
+                "currentNumberScheduled": n,
+                "numberMisscheduled": 0,
+                **dict.fromkeys(READY_KEYS, n),
+            }
+            self.request("PATCH", f"{path}/{meta['name']}/status", {"status": status}, "application/merge-patch+json")
+
+    def request(self, method: str, path: str, body: Any = None, ctype: str = "application/json") -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.server + path, data=data, headers={"Content-Type": ctype}, method=method)
+        with urllib.request.urlopen(req, timeout=60, context=self.ctx) as resp:
+            return json.load(resp)
+
+    def counts(self) -> dict[str, int]:
+        """{"list nodes": n}: the LISTs of nodes the API server served (its own counter)."""
+        req = urllib.request.Request(self.server + "/metrics")
+        with urllib.request.urlopen(req, timeout=60, context=self.ctx) as resp:
+            text = resp.read().decode()
+        n = 0
+        for line in text.splitlines():
+            listed = line.startswith("apiserver_request_total{") and 'resource="nodes"' in line
+            listed = listed and 'verb="LIST"' in line
+            if listed and ('subresource=""' in line or "subresource=" not in line):
+                n += int(float(line.rsplit(" ", 1)[1]))
+        return {"list nodes": n}
+
+    def stop(self) -> None:
+        self.cluster.down()
+
+
 def fake_collection(base: Path) -> Path:
     """A collections path whose lingjun.rdma is this repository with the rdma_node_info stand-in as its
     action plugin (every other file a link to the repository's)."""
@@ -317,6 +384,7 @@ def bench(
     fake_facts: bool,
     keep: Path | None = None,
     validate_vars: tuple[str, ...] = (),
+    api: str = "emulator",
 ) -> list[Figure]:
     env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_FORKS=str(forks), ANSIBLE_NOCOLOR="1")
     env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
@@ -331,10 +399,10 @@ def bench(
             env["RDMA_FLEET_FAKE_CACHE"] = str(base / "fake")
         nodes = write_fixtures(base)
         broken = {f"node-{i:05d}" for i in range(hosts) if fixture_of(i, nodes) != nodes[0]}
-        cluster = None
+        cluster: Emulator | RealCluster | None = None
         if "validate" in phases or "verify" in phases:
-            print(f"seeding the API emulator with {hosts} nodes", flush=True)
-            cluster = Emulator(base, hosts, broken)
+            print(f"seeding the {API_NAMES[api]} with {hosts} nodes", flush=True)
+            cluster = RealCluster(base, hosts, broken) if api == "real" else Emulator(base, hosts, broken)
         try:
             kubeconfig = cluster.kubeconfig if cluster else None
             inventory = write_inventory(base, hosts, nodes, kubeconfig, node_python(base))
@@ -363,7 +431,7 @@ def bench(
                 verify = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "verify.yml")]
                 verify += ["-e", "plugin_verify_timeout=4"]
                 log = base / "verify.log"
-                figure, rc = run("verify (API emulator)" + suffix, verify, hosts, env, log, ok_rc=(0, 2))
+                figure, rc = run(f"verify ({API_NAMES[api]})" + suffix, verify, hosts, env, log, ok_rc=(0, 2))
                 figures.append(figure)
                 check_verify(base / "verify.log", rc, hosts, broken, cluster.counts().get("list nodes", 0) - before)
         finally:
@@ -372,7 +440,7 @@ def bench(
     return figures
 
 
-def check_validate(base: Path, hosts: int, broken: set[str], cluster: Emulator | None) -> None:
+def check_validate(base: Path, hosts: int, broken: set[str], cluster: Emulator | RealCluster | None) -> None:
     report = json.loads((base / "out" / "validation" / "rdma-validation.json").read_text())
     if report["total"] != hosts:
         raise SystemExit(f"the report lists {report['total']} hosts, not {hosts}")
@@ -500,13 +568,21 @@ def main() -> None:
         default=[],
         help="an -e NAME=VALUE for validate (repeatable), e.g. rdma_nic_validate_health=false for the NIC checks only",
     )
+    parser.add_argument(
+        "--api",
+        choices=sorted(API_NAMES),
+        default="emulator",
+        help="the cluster validate and verify talk to: the API emulator, or a real kube-apiserver (make kube)",
+    )
     parser.add_argument("--write-results", action="store_true", help="write the table into bench/RESULTS.md")
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (logs, report, inventory)")
     args = parser.parse_args()
     figures: list[Figure] = []
     for hosts in args.hosts or [120]:
         keep = args.keep / str(hosts) if args.keep else None
-        figures += bench(hosts, args.forks, args.phase or list(PHASES), args.fake_facts, keep, tuple(args.validate_var))
+        figures += bench(
+            hosts, args.forks, args.phase or list(PHASES), args.fake_facts, keep, tuple(args.validate_var), args.api
+        )
         print(table(figures), flush=True)
     restated = slopes(figures)
     if restated:

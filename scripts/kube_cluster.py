@@ -215,6 +215,9 @@ class Cluster:
     bin: Path | None = None
     feature_gates: dict[str, bool] = field(default_factory=dict)
     ready_timeout: float = 180.0
+    # kube-controller-manager's --controllers (e.g. "*,-daemonset,-nodelifecycle" for a cluster whose
+    # nodes have no kubelet and whose statuses a bench writes itself)
+    controllers: str = "*"
 
     @property
     def kubeconfig(self) -> Path:
@@ -306,7 +309,7 @@ class Cluster:
                 f"--cluster-signing-cert-file={pki / 'ca.crt'}",
                 f"--cluster-signing-key-file={pki / 'ca.key'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--controllers=*",
+                f"--controllers={self.controllers}",
                 "--v=1",
             ],
             "kube-scheduler": [
@@ -366,9 +369,15 @@ class Cluster:
                 time.sleep(0.1)
         raise ClusterError(f"{what} did not listen on 127.0.0.1:{port} within {self.ready_timeout:.0f} s")
 
-    def _wait_ready(self, server: str, pki: Path, p: subprocess.Popen[bytes]) -> None:
+    def ssl_context(self) -> ssl.SSLContext:
+        """TLS as the admin of this cluster (its CA, the admin client certificate)."""
+        pki = self.dir / "pki"
         ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
         ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+        return ctx
+
+    def _wait_ready(self, server: str, pki: Path, p: subprocess.Popen[bytes]) -> None:
+        ctx = self.ssl_context()
         deadline = time.monotonic() + self.ready_timeout
         last = ""
         while time.monotonic() < deadline:

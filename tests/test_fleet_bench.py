@@ -63,3 +63,12 @@ def test_the_restated_fleet_figure_is_read_from_two_fleet_sizes(tmp_path: Path) 
              {"play": "p", "task": "Label", "hosts": 1, "wall_s": 2.5, "cpu_s": 2.0}]  # fmt: skip
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert fleet.task_cpu(tmp_path / "t.jsonl") == (5.0, (("Write the fleet report", 3.0), ("Label", 2.0)))
+
+
+def test_the_fleet_bench_runs_against_a_real_api_server(tmp_path: Path) -> None:
+    """--api real: validate labels and verify reads a real kube-apiserver v1.37.2; the bench's own checks
+    (every node labelled as validated, exactly the gated hosts failing verify, one node list per poll,
+    counted by the server's apiserver_request_total) raise SystemExit when they do not hold."""
+    figures = fleet.bench(6, 6, ["validate", "verify"], False, tmp_path / "run", (), "real")
+    assert [f.phase for f in figures] == ["validate", "verify (kube-apiserver v1.37.2)"]
+    assert not (tmp_path / "run" / "cluster" / "state.json").exists(), "the bench's cluster was left running"
