@@ -398,7 +398,8 @@ def test_service_monitor_needs_prometheus_operator() -> None:
     message = _render_error(values, api_versions=tuple(VAP_KINDS))
     assert "metrics.serviceMonitor.enabled=true" in message and "monitoring.coreos.com/v1" in message
     assert "--api-versions monitoring.coreos.com/v1" in message
-    assert by_kind(parse(render_raw(values)), "ServiceMonitor")
+    assert by_kind(parse(render_raw(values)), "PodMonitor")
+    assert "(for its PodMonitor)" in message
 
 
 # ------------------------------------------------------------------ capabilities as containerd applies them
