@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -113,7 +114,8 @@ def test_helm_install_to_an_admitted_rdma_pod(kube: Kube, kube_nodes: Any) -> No
     assert len(nics) == 4
     node.start()
     values = Path(node.root) / "values.json"
-    values.write_text(json.dumps({"image": {"registry": "127.0.0.1:5000", "tag": "0.1.0"}}))
+    chart = yaml.safe_load((ROOT / "charts" / "rdma-device-plugin" / "Chart.yaml").read_text())
+    values.write_text(json.dumps({"image": {"registry": "127.0.0.1:5000", "tag": chart["appVersion"]}}))
     kube.helm(
         "upgrade",
         "--install",

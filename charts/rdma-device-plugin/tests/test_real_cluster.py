@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from conftest import CASES, CHART_DIR, example_jobs
 from test_policy_cel import Policy, caps_pod, pod_of_job, rdma_pod
 
 sys.path.insert(0, str(CHART_DIR.parents[1] / "scripts"))
 pytest.register_assert_rewrite("kube_pytest")
-from kube_pytest import Kube, wait_for  # noqa: E402
+from kube_pytest import PLUGIN_IMAGES, Kube, wait_for  # noqa: E402
 
 pytest_plugins = ["kube_pytest"]
 
@@ -32,7 +34,8 @@ INSTALLS: dict[str, dict[str, Any]] = {
     "numa-pools": {"numaPools": True},
     "validation-required": {"validation": {"required": True}},
 }
-IMAGE = {"image": {"registry": "127.0.0.1:5000", "repository": "rdma/rdma-device-plugin", "tag": "0.1.0"}}
+APP_VERSION = str(yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["appVersion"])
+IMAGE = {"image": {"registry": "127.0.0.1:5000", "repository": "rdma/rdma-device-plugin", "tag": APP_VERSION}}
 
 
 def install(kube: Kube, values: dict[str, Any], release: str = "rdma") -> None:
@@ -209,12 +212,14 @@ def test_a_rolling_update_keeps_to_max_unavailable(kube: Kube, kube_nodes: Any) 
     for i in range(4):
         kube_nodes(f"n-roll-{i}", labels={"feature.node.kubernetes.io/pci-15b3.present": "true"},
                    images={"rdma-device-plugin-broken": {"entrypoint": ["/bin/false"], "path": []}}).start()
-    values = {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}}
+    values = {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}, "minReadySeconds": 3}
     install(kube, values)
     try:
+        # Available, not only Ready: the DaemonSet controller deletes old pods that are not yet
+        # available (minReadySeconds) all at once, whatever maxUnavailable says.
         def ready() -> bool:
             ds = kube.get("daemonset", "-n", NS, "rdma-rdma-device-plugin-shared")["status"]
-            return ds.get("numberReady") == 4 and ds.get("updatedNumberScheduled") == 4
+            return ds.get("numberAvailable") == 4 and ds.get("updatedNumberScheduled") == 4
 
         assert wait_for(ready, timeout=90)
         install(kube, {**values, "image": {**IMAGE["image"], "repository": "rdma/rdma-device-plugin-broken"}})
@@ -224,7 +229,7 @@ def test_a_rolling_update_keeps_to_max_unavailable(kube: Kube, kube_nodes: Any) 
             return sorted(p["spec"]["containers"][0]["image"].rsplit("/", 1)[1] for p in pods
                           if not p["metadata"].get("deletionTimestamp"))
 
-        assert wait_for(lambda: images().count("rdma-device-plugin-broken:0.1.0") == 1, timeout=90), images()
+        assert wait_for(lambda: images().count(f"rdma-device-plugin-broken:{APP_VERSION}") == 1, timeout=90), images()
 
         def crashing() -> bool:
             ds = kube.get("daemonset", "-n", NS, "rdma-rdma-device-plugin-shared")["status"]
@@ -232,7 +237,51 @@ def test_a_rolling_update_keeps_to_max_unavailable(kube: Kube, kube_nodes: Any) 
 
         assert wait_for(crashing, timeout=60)
         # It stays there: the DaemonSet controller replaces no second pod while one is unavailable.
-        assert not wait_for(lambda: images().count("rdma-device-plugin-broken:0.1.0") > 1, timeout=15)
-        assert images().count("rdma-device-plugin:0.1.0") == 3
+        assert not wait_for(lambda: images().count(f"rdma-device-plugin-broken:{APP_VERSION}") > 1, timeout=15)
+        assert images().count(f"rdma-device-plugin:{APP_VERSION}") == 3
+    finally:
+        uninstall(kube)
+
+
+def test_readiness_stops_a_plugin_that_never_registers_at_the_first_batch(kube: Kube, kube_nodes: Any) -> None:
+    """The real plugin on three fixture nodes, ready only once registered with the node's real
+    device manager (readinessProbe: healthcheck --ready, run in the container's mount namespace).
+    A new image whose plugin starts but never registers (its device-plugin dir leads nowhere)
+    replaces one pod, which never becomes Ready: with maxUnavailable 1 the rollout stops there and
+    the other nodes keep advertising rdma/hca."""
+    plugin = PLUGIN_IMAGES["rdma-device-plugin"]
+    # The broken image: the same plugin, with a device-plugin dir where no kubelet listens.
+    wrapper = ["/bin/sh", "-c", 'exec "$0" "$@" --device-plugin-dir /nonexistent-kubelet-dir', *plugin["entrypoint"]]
+    images = {**PLUGIN_IMAGES, "rdma-device-plugin-noreg": {"entrypoint": wrapper, "path": plugin["path"]}}
+    nodes = []
+    for i in range(3):
+        node = kube_nodes(f"n-ready-{i}", labels={"feature.node.kubernetes.io/pci-15b3.present": "true"}, images=images)
+        subprocess.run([plugin["path"][0] + "/rdma-device-plugin", "fixture", str(node.root)], check=True, capture_output=True)
+        node.start()
+        nodes.append(node.name)
+    values = {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}, "minReadySeconds": 5}
+    install(kube, values)
+    try:
+        def status() -> dict[str, Any]:
+            return dict(kube.get("daemonset", "-n", NS, "rdma-rdma-device-plugin-shared").get("status", {}))
+
+        assert wait_for(lambda: status().get("numberAvailable") == 3, timeout=180), status()
+        install(kube, {**values, "image": {**IMAGE["image"], "repository": "rdma/rdma-device-plugin-noreg"}})
+
+        def pods() -> list[dict[str, Any]]:
+            items = kube.get("pods", "-n", NS, "-l", "app.kubernetes.io/component=device-plugin")["items"]
+            return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+        def new_pods() -> list[dict[str, Any]]:
+            return [p for p in pods() if "noreg" in p["spec"]["containers"][0]["image"]]
+
+        assert wait_for(lambda: len(new_pods()) == 1 and new_pods()[0]["status"].get("phase") == "Running", timeout=120)
+        # Running but never Ready, and no second pod is replaced while it is unavailable.
+        assert not wait_for(lambda: any(c["ready"] for p in new_pods() for c in p["status"].get("containerStatuses", [])), 30)
+        assert len(new_pods()) == 1 and status().get("updatedNumberScheduled") == 1
+        ready = {n: kube.get("node", n)["status"]["allocatable"].get("rdma/hca") for n in nodes}
+        # The node of the new pod lost its plugin (allocatable 0 while the kubelet keeps the stopped
+        # endpoint); the two others still advertise theirs.
+        assert list(ready.values()).count("1k") == 2, ready
     finally:
         uninstall(kube)
