@@ -464,8 +464,8 @@ def check_verify(log: Path, rc: int, hosts: int, broken: set[str], lists: int) -
         raise SystemExit(f"verify: rc {rc}, {len(failed)} failed hosts, expected {len(broken)}; see {log}")
     pages = math.ceil(hosts / PAGE)
     if lists != int(polls[1]) * pages:
-        raise SystemExit(f"verify listed the nodes {lists} times ({pages} page(s) each) in {polls[1]} poll(s)")
-    print(f"verify: {polls[1]} poll(s), {lists} node-list request(s) of {pages} page(s) each: one list per poll; "
+        raise SystemExit(f"verify made {lists} node-list page requests ({pages} a list) in {polls[1]} poll(s)")
+    print(f"verify: {polls[1]} poll(s), {lists} node-list page request(s), {pages} a list: one list per poll; "
           f"{len(failed)} host(s) failed, exactly those kept off by gating", flush=True)  # fmt: skip
 
 
