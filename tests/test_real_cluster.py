@@ -169,3 +169,38 @@ def test_helm_install_to_an_admitted_rdma_pod(kube: Kube, kube_nodes: Any) -> No
 def _plugin_log(kube: Kube, node: Any) -> str:
     pods = kube.get("pods", "-n", "kube-system", "-l", "app.kubernetes.io/component=device-plugin")["items"]
     return "\n".join(node.log("kube-system", p["metadata"]["name"], "rdma-device-plugin")[-3000:] for p in pods)
+
+
+def test_a_restarted_container_without_a_readiness_probe_is_ready_again(kube: Kube, kube_nodes: Any) -> None:
+    """The kubelet's prober reports success for a container without a readiness probe, so a
+    container that exited and was restarted is ready again once it runs (a DaemonSet whose plugin
+    crashed once must count it ready again: plugin_verify follows numberReady)."""
+    node = kube_nodes("n-restart", images={"job": {"entrypoint": ["/bin/sh"], "path": []}}).start()
+    marker = node.root / "started-once"
+    # The first run leaves a marker and exits 1; the restart finds it and keeps running.
+    script = 'if [ -e "$0" ]; then exec sleep 3600; fi; touch "$0"; exit 1'
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "restarts-once", "namespace": "default"},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": "n-restart"},
+            "containers": [
+                {"name": "main", "image": "127.0.0.1:5000/job:1", "command": ["/bin/sh", "-c", script, str(marker)]}
+            ],
+        },
+    }
+    kube.apply(pod)
+    try:
+
+        def restarted_and_ready() -> bool:
+            status = kube.get("pod", "restarts-once", "-n", "default").get("status", {})
+            c = (status.get("containerStatuses") or [{}])[0]
+            return bool(c.get("restartCount", 0) >= 1 and "running" in c.get("state", {}) and c.get("ready"))
+
+        assert wait_for(restarted_and_ready, timeout=120), kube.get("pod", "restarts-once", "-n", "default")["status"]
+        assert marker.exists()
+    finally:
+        kube.kubectl(
+            "delete", "pod", "restarts-once", "-n", "default", "--ignore-not-found", "--wait=false", check=False
+        )
