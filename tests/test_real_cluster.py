@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -204,3 +205,41 @@ def test_a_restarted_container_without_a_readiness_probe_is_ready_again(kube: Ku
         kube.kubectl(
             "delete", "pod", "restarts-once", "-n", "default", "--ignore-not-found", "--wait=false", check=False
         )
+
+
+def test_a_missing_command_waits_in_create_container_error_until_it_appears(kube: Kube, kube_nodes: Any) -> None:
+    """A container whose command does not exist (yet) is not created: Waiting with
+    CreateContainerError, retried, never running or ready, no restart counted, whether or not the
+    node runs it in a mount namespace of its own (as root); it starts once the command appears."""
+    root = Path(tempfile.mkdtemp(prefix="kn-img-", dir="/tmp"))
+    command = root / "late"
+    try:
+        kube_nodes("n-late", images={"late": {"entrypoint": [str(command)], "path": []}}).start()
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "late", "namespace": "default"},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": "n-late"},
+                "containers": [{"name": "main", "image": "127.0.0.1:5000/late:1"}],
+            },
+        }
+        kube.apply(pod)
+
+        def container() -> dict[str, Any]:
+            status = kube.get("pod", "late", "-n", "default").get("status", {})
+            return dict((status.get("containerStatuses") or [{}])[0])
+
+        assert wait_for(lambda: container().get("state", {}).get("waiting", {}).get("reason") == "CreateContainerError")
+        seen = container()
+        assert (
+            "not found" in seen["state"]["waiting"]["message"] and str(command) in seen["state"]["waiting"]["message"]
+        )
+        assert seen["restartCount"] == 0 and not seen["ready"]
+        command.write_text("#!/bin/sh\nexec sleep 3600\n")
+        command.chmod(0o755)
+        assert wait_for(lambda: "running" in container().get("state", {}) and container().get("ready"), timeout=60)
+        assert container()["restartCount"] == 0
+    finally:
+        kube.kubectl("delete", "pod", "late", "-n", "default", "--ignore-not-found", "--wait=false", check=False)
+        shutil.rmtree(root, ignore_errors=True)
