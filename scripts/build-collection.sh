@@ -71,7 +71,6 @@ all:
     # fixture node's, and refuse its NICs (no compute IPv6 address).
     plugin_deploy_helm_binary: $kube_bin/helm
     rdma_plugin_image_repository: 127.0.0.1:5000/rdma/rdma-device-plugin
-    rdma_plugin_image_tag: "0.1.0"
     plugin_verify_timeout: 120
     plugin_verify_poll_interval: 1
   children:

@@ -106,7 +106,7 @@ def test_uninstall_removes_the_helm_release(tmp_path: Path, inventory: Path, kub
     """The release installed by the real Helm (v4) is uninstalled by it: --check leaves it, the run
     removes it (its DaemonSets are gone), a second run finds nothing to do."""
     values = tmp_path / "values.json"
-    values.write_text('{"image": {"registry": "127.0.0.1:5000", "tag": "0.1.0"}}')
+    values.write_text('{"image": {"registry": "127.0.0.1:5000"}}')
     kube.helm(
         "upgrade", "--install", "rdma", str(ROOT / "charts/rdma-device-plugin"), "-n", "kube-system", "-f", str(values)
     )
