@@ -172,6 +172,22 @@ def _plugin_log(kube: Kube, node: Any) -> str:
     return "\n".join(node.log("kube-system", p["metadata"]["name"], "rdma-device-plugin")[-3000:] for p in pods)
 
 
+def _pod_on(node: str, name: str, container: dict[str, Any]) -> dict[str, Any]:
+    """A pod of one container, for the scheduler to bind to this node."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "containers": [{"name": "main", **container}]},
+    }
+
+
+def _container(kube: Kube, pod: str) -> dict[str, Any]:
+    """The status of the pod's (first) container, empty before there is one."""
+    status = kube.get("pod", pod, "-n", "default").get("status", {})
+    return dict((status.get("containerStatuses") or [{}])[0])
+
+
 def test_a_restarted_container_without_a_readiness_probe_is_ready_again(kube: Kube, kube_nodes: Any) -> None:
     """The kubelet's prober reports success for a container without a readiness probe, so a
     container that exited and was restarted is ready again once it runs (a DaemonSet whose plugin
@@ -180,23 +196,17 @@ def test_a_restarted_container_without_a_readiness_probe_is_ready_again(kube: Ku
     marker = node.root / "started-once"
     # The first run leaves a marker and exits 1; the restart finds it and keeps running.
     script = 'if [ -e "$0" ]; then exec sleep 3600; fi; touch "$0"; exit 1'
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "restarts-once", "namespace": "default"},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": "n-restart"},
-            "containers": [
-                {"name": "main", "image": "127.0.0.1:5000/job:1", "command": ["/bin/sh", "-c", script, str(marker)]}
-            ],
-        },
-    }
-    kube.apply(pod)
+    kube.apply(
+        _pod_on(
+            "n-restart",
+            "restarts-once",
+            {"image": "127.0.0.1:5000/job:1", "command": ["/bin/sh", "-c", script, str(marker)]},
+        )
+    )
     try:
 
         def restarted_and_ready() -> bool:
-            status = kube.get("pod", "restarts-once", "-n", "default").get("status", {})
-            c = (status.get("containerStatuses") or [{}])[0]
+            c = _container(kube, "restarts-once")
             return bool(c.get("restartCount", 0) >= 1 and "running" in c.get("state", {}) and c.get("ready"))
 
         assert wait_for(restarted_and_ready, timeout=120), kube.get("pod", "restarts-once", "-n", "default")["status"]
@@ -215,31 +225,23 @@ def test_a_missing_command_waits_in_create_container_error_until_it_appears(kube
     command = root / "late"
     try:
         kube_nodes("n-late", images={"late": {"entrypoint": [str(command)], "path": []}}).start()
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "late", "namespace": "default"},
-            "spec": {
-                "nodeSelector": {"kubernetes.io/hostname": "n-late"},
-                "containers": [{"name": "main", "image": "127.0.0.1:5000/late:1"}],
-            },
-        }
-        kube.apply(pod)
+        kube.apply(_pod_on("n-late", "late", {"image": "127.0.0.1:5000/late:1"}))
 
-        def container() -> dict[str, Any]:
-            status = kube.get("pod", "late", "-n", "default").get("status", {})
-            return dict((status.get("containerStatuses") or [{}])[0])
+        def waiting() -> dict[str, Any]:
+            return dict(_container(kube, "late").get("state", {}).get("waiting", {}))
 
-        assert wait_for(lambda: container().get("state", {}).get("waiting", {}).get("reason") == "CreateContainerError")
-        seen = container()
-        assert (
-            "not found" in seen["state"]["waiting"]["message"] and str(command) in seen["state"]["waiting"]["message"]
-        )
-        assert seen["restartCount"] == 0 and not seen["ready"]
+        assert wait_for(lambda: waiting().get("reason") == "CreateContainerError"), _container(kube, "late")
+        assert "not found" in waiting()["message"] and str(command) in waiting()["message"]
+        assert _container(kube, "late")["restartCount"] == 0 and not _container(kube, "late")["ready"]
         command.write_text("#!/bin/sh\nexec sleep 3600\n")
         command.chmod(0o755)
-        assert wait_for(lambda: "running" in container().get("state", {}) and container().get("ready"), timeout=60)
-        assert container()["restartCount"] == 0
+
+        def running() -> bool:
+            c = _container(kube, "late")
+            return bool("running" in c.get("state", {}) and c.get("ready"))
+
+        assert wait_for(running, timeout=60), _container(kube, "late")
+        assert _container(kube, "late")["restartCount"] == 0
     finally:
         kube.kubectl("delete", "pod", "late", "-n", "default", "--ignore-not-found", "--wait=false", check=False)
         shutil.rmtree(root, ignore_errors=True)
