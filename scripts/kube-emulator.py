@@ -2,13 +2,14 @@
 """A Kubernetes API emulator on 127.0.0.1, kept for the fleet benchmark only.
 
 Where it is still used, and why: ``bench/fleet.py`` serves its N-host fleet (up to 2000 Node
-objects, written with their status, and the release's DaemonSets reported rolled out) from it and
-reads the request counts of ``GET /kube-emulator/requests`` to check one node list per poll;
-moving that bench to the real API server is issue 28's item 5. ``tests/test_kube_emulator.py``
-tests the emulator itself. The plays' tests no longer use it: molecule/fleet, molecule/verify,
-molecule/mode-switch, tests/test_uninstall.py and ``make collection`` run against the real
-control plane (scripts/kube_cluster.py: kube-apiserver, controllers and scheduler v1.37.2, nodes
-running the kubelet's own device manager), where the DaemonSet controller, the disruption
+objects, written with their status, and the release's DaemonSets reported rolled out) from it by
+default (``--api emulator``, the API of the figures in bench/RESULTS.md) and reads the request
+counts of ``GET /kube-emulator/requests`` to check one node list per poll; ``--api real`` runs the
+same against kube-apiserver. ``tests/test_kube_emulator.py`` tests the emulator itself. The
+plays' tests no longer use it: molecule/fleet, molecule/verify, molecule/mode-switch,
+tests/test_uninstall.py and ``make collection`` run against the real control plane
+(scripts/kube_cluster.py: kube-apiserver, controllers and scheduler v1.37.2, nodes running the
+kubelet's own device manager), where the DaemonSet controller, the disruption
 controller and the plugin itself do what this file's stand-ins did. Its plugin stand-in
 (``--plugin-delay`` and the ``emulator.rdma.lingjun.io/*`` annotations, below) is used by no test
 any more.
