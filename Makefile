@@ -89,7 +89,7 @@ test-ops: setup kube ## automation and docs: example inventory offline check, ty
 test-molecule: setup system-deps kube ## every molecule scenario, for real on localhost
 	bash scripts/run-molecule.sh
 
-collection: setup ## a plain `ansible-galaxy collection build` of this repository, installed, and a playbook outside it running validate, deploy (render only) and verify by FQCN
+collection: setup kube ## a plain `ansible-galaxy collection build` of this repository, installed, and a playbook outside it running validate, deploy (Helm) and verify by FQCN against a real cluster
 	bash scripts/build-collection.sh --check
 
 test: setup system-deps kube ## everything CI runs; ends with one "N passed, N failed" line

@@ -4,12 +4,16 @@
 #  1. the tarball holds the collection's files only (no repository tooling, tests or plugin
 #     sources), no symlinks, and the node package as real files equal to the repository's;
 #  2. install it from the tarball into a scratch collections path and, from a scratch working
-#     directory outside the repository with an inventory of one fixture node and the Kubernetes
-#     API emulator as its cluster, run its playbooks by FQCN: lingjun.rdma.validate (the node
-#     read, the report, the validation labels), lingjun.rdma.deploy (render only) and
-#     lingjun.rdma.verify, with no repository path configured;
+#     directory outside the repository with an inventory of one fixture node, run its playbooks by
+#     FQCN against a real cluster (scripts/kube_cluster.py: the components `make kube` builds; the
+#     node runs the kubelet's device manager and this checkout's plugin as the chart's image):
+#     lingjun.rdma.validate (the node read, the report, the validation label), lingjun.rdma.deploy
+#     (helm upgrade --install of the installed collection's chart with the Helm v4 built there)
+#     and lingjun.rdma.verify (the node advertises rdma/hca), with no repository path configured;
 #  3. everything they wrote is under the working directory (out/<inventory>/), nothing in the
 #     installed collection.
+# KEEP_SCRATCH=1 keeps the scratch directory and its cluster, to look into a failure (then stop it:
+# .venv/bin/python scripts/kube_cluster.py down --dir <scratch>/c).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -35,10 +39,11 @@ for wanted in plugins/modules/rdma_node_info.py plugins/action/rdma_verify.py pl
   playbooks/site.yml charts/rdma-device-plugin/Chart.yaml meta/runtime.yml; do
   grep -qx "$wanted" <<<"$names" || fail "the tarball lacks $wanted"
 done
-scratch=$(mktemp -d /tmp/rdma-collection-XXXXXX)
+# Short: the node's device-plugin sockets live below it (unix socket paths are limited).
+scratch=$(mktemp -d /tmp/rc-XXXXXX)
 cleanup() {
-  python3 "$root/scripts/kube-emulator.py" stop --kubeconfig "$scratch/kubeconfig" > /dev/null 2>&1 || true
-  rm -rf "$scratch"
+  [ -n "${KEEP_SCRATCH:-}" ] || "$root/.venv/bin/python" "$root/scripts/kube_cluster.py" down --dir "$scratch/c" > /dev/null 2>&1 || true
+  [ -n "${KEEP_SCRATCH:-}" ] || rm -rf "$scratch"
 }
 trap cleanup EXIT
 mkdir "$scratch/unpacked" && tar xzf "$tarball" -C "$scratch/unpacked"
@@ -53,32 +58,20 @@ printf '[defaults]\ncollections_path = %s\n' "$scratch/collections" > "$work/ans
 ANSIBLE_CONFIG=$work/ansible.cfg ansible-galaxy collection install "$tarball" -p "$scratch/collections" --no-deps --force
 installed=$scratch/collections/ansible_collections/lingjun/rdma
 find "$installed" -type f | sort > "$scratch/installed-before"
-"$root/.venv/bin/rdma-device-plugin" fixture "$scratch/node" > /dev/null
-"$root/.venv/bin/python" "$root/scripts/kube-emulator.py" start --port 0 --kubeconfig "$scratch/kubeconfig" > /dev/null
-"$root/.venv/bin/python" - "$scratch/kubeconfig" <<'PY'
-"""One Node advertising rdma/hca 1k and the release's DaemonSets, rolled out."""
-import json, sys, urllib.request, yaml
-server = yaml.safe_load(open(sys.argv[1]))["clusters"][0]["cluster"]["server"]
-def call(method, path, body, ctype="application/json"):
-    req = urllib.request.Request(server + path, json.dumps(body).encode(), {"Content-Type": ctype}, method=method)
-    urllib.request.urlopen(req, timeout=30).close()
-call("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-1"},
-                               "status": {"capacity": {"rdma/hca": "1k"}, "allocatable": {"rdma/hca": "1k"}}})
-ds = "/apis/apps/v1/namespaces/kube-system/daemonsets"
-labels = {"app.kubernetes.io/instance": "rdma", "app.kubernetes.io/component": "device-plugin"}
-call("POST", ds, {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "rdma-rdma-device-plugin-shared",
-     "labels": labels}, "spec": {}})
-ready = dict.fromkeys(["desiredNumberScheduled", "updatedNumberScheduled", "numberReady", "numberAvailable"], 1)
-call("PATCH", ds + "/rdma-rdma-device-plugin-shared/status", {"status": {"observedGeneration": 1, **ready}},
-     "application/merge-patch+json")
-PY
+"$root/.venv/bin/python" "$root/scripts/kube_cluster.py" up --no-build --dir "$scratch/c" > /dev/null
+"$root/.venv/bin/python" "$root/scripts/kube_cluster.py" join gpu-1 --dir "$scratch/c" --root "$scratch/n" \
+  --label feature.node.kubernetes.io/pci-15b3.present=true --fixture --plugin > /dev/null
+kube_bin=$("$root/.venv/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["bin"])' "$scratch/c/state.json")
 cat > "$work/inventories/fleet/hosts.yml" <<YML
 all:
   vars:
-    rdma_kubeconfig: $scratch/kubeconfig
-    rdma_non_host_network: true
-    plugin_deploy_render_only: true
-    plugin_verify_timeout: 10
+    rdma_kubeconfig: $scratch/c/kubeconfig
+    # hostNetwork pods (the chart's default): the node runs the plugin as a host process without a
+    # network namespace, so a non-hostNetwork plugin would read this machine's /proc/net, not the
+    # fixture node's, and refuse its NICs (no compute IPv6 address).
+    plugin_deploy_helm_binary: $kube_bin/helm
+    rdma_plugin_image_repository: 127.0.0.1:5000/rdma/rdma-device-plugin
+    plugin_verify_timeout: 120
     plugin_verify_poll_interval: 1
   children:
     rdma_nodes:
@@ -86,9 +79,9 @@ all:
         gpu-1:
           ansible_connection: local
           ansible_python_interpreter: $root/.venv/bin/python
-          rdma_sysfs_root: $scratch/node/sys
-          rdma_procfs_root: $scratch/node/proc
-          rdma_dev_root: $scratch/node/dev
+          rdma_sysfs_root: $scratch/n/sys
+          rdma_procfs_root: $scratch/n/proc
+          rdma_dev_root: $scratch/n/dev
 YML
 for playbook in validate deploy verify; do
   echo "=== ansible-playbook lingjun.rdma.$playbook (from $work)"
@@ -102,9 +95,10 @@ for written in out/fleet/validation/rdma-validation.json out/fleet/validation/rd
   out/fleet/deploy/rdma-values.yaml; do
   [[ -s $work/$written ]] || fail "$written was not written under the working directory $work"
 done
-ls "$work"/out/fleet/manifests/*.yaml > /dev/null || fail "no manifests rendered under $work/out/fleet/manifests"
+"$kube_bin/helm" --kubeconfig "$scratch/c/kubeconfig" history rdma -n kube-system > /dev/null \
+  || fail "deploy did not install release rdma"
 grep -q '"passed": 1' "$work/out/fleet/validation/rdma-validation.json" || fail "the fixture node did not pass validation"
 grep -q 'required: true' "$work/out/fleet/deploy/rdma-values.yaml" || fail "the values do not require validated nodes"
 find "$installed" -type f | sort | diff "$scratch/installed-before" - || fail "the playbooks wrote into the installed collection"
-echo "collection: a plain ansible-galaxy build of $root, installed from $tarball, ran validate, deploy (render only)"
-echo "and verify by FQCN from $work, writing only under it"
+echo "collection: a plain ansible-galaxy build of $root, installed from $tarball, ran validate, deploy (Helm)"
+echo "and verify by FQCN from $work against a real cluster, writing only under it"

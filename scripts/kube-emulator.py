@@ -1,5 +1,18 @@
 #!/usr/bin/env python3
-"""A Kubernetes API emulator on 127.0.0.1 for the role tests and benchmarks (no cluster exists here).
+"""A Kubernetes API emulator on 127.0.0.1, kept for the fleet benchmark only.
+
+Where it is still used, and why: ``bench/fleet.py`` serves its N-host fleet (up to 2000 Node
+objects, written with their status, and the release's DaemonSets reported rolled out) from it by
+default (``--api emulator``, the API of the figures in bench/RESULTS.md) and reads the request
+counts of ``GET /kube-emulator/requests`` to check one node list per poll; ``--api real`` runs the
+same against kube-apiserver. ``tests/test_kube_emulator.py`` tests the emulator itself, its
+selector and patch cases against the real kube-apiserver too: the two must agree. The plays'
+tests no longer use it: molecule/fleet, molecule/verify, molecule/mode-switch,
+tests/test_uninstall.py and ``make collection`` run against the real control plane
+(scripts/kube_cluster.py: kube-apiserver, controllers and scheduler v1.37.2, nodes running the
+kubelet's own device manager), where the DaemonSet controller, the disruption controller and
+the plugin itself do what this file's stand-ins did (its plugin stand-in, ``--plugin-delay``, is
+gone with them).
 
 Built on kmock's stateful ``KubernetesEmulator`` (its HTTP server, discovery, object store and
 watch streams). Everything the plays of this repository send is answered as the apiserver
@@ -35,7 +48,8 @@ answers it, read from the apiserver's own code (kubernetes/kubernetes, cited whe
   directives are refused with 415); server-side apply is refused (415); PUT replaces, with the
   apiserver's 409 when ``metadata.resourceVersion`` is stale;
 * ``?dryRun=All`` on POST, PATCH, PUT, DELETE and evictions: validated and answered, nothing
-  persisted (staging/src/k8s.io/apiserver/pkg/endpoints/handlers); other dryRun values are 400;
+  persisted (staging/src/k8s.io/apiserver/pkg/endpoints/handlers); other dryRun values are 422
+  Invalid, naming the request's options kind (apimachinery's ValidateDryRun);
 * ``POST .../pods/<name>/eviction`` (policy/v1 and v1beta1) as
   pkg/registry/core/pod/storage/eviction.go: the Eviction's name must match the URL (400);
   Pending, Succeeded and Failed pods are deleted without PDB checks; more than one matching
@@ -57,15 +71,8 @@ admission, no RBAC or authentication, watch streams (kmock's) ignore selectors a
 ``deleteOptions`` preconditions or propagation policies, no validation of fields other than
 labels and annotations (a Node with a nonsense ``spec`` is stored as given), no protobuf.
 
-One optional controller stands in for the device plugin DaemonSets (``--plugin-delay``): when a
-node's mode label (``rdma.lingjun.io/mode``) changes, it rewrites the node's
-``status.capacity``/``allocatable`` for ``--resource`` after the delay, to the mode's shape:
-shared = ``--shared-devices``; exclusive = the node's annotation
-``emulator.rdma.lingjun.io/nics`` (default 0). A node annotated
-``emulator.rdma.lingjun.io/plugin: broken`` never changes (to test the failure paths).
-
 Usage:
-  kube-emulator.py start --port 18080 --kubeconfig out/emulator/kubeconfig [--plugin-delay 2]
+  kube-emulator.py start --port 18080 --kubeconfig out/emulator/kubeconfig
   kube-emulator.py stop --kubeconfig out/emulator/kubeconfig
   kube-emulator.py serve --port 18080 ...      (foreground; what ``start`` runs detached)
 """
@@ -93,9 +100,6 @@ from typing import Any
 
 import yaml
 
-MODE_LABEL = "rdma.lingjun.io/mode"
-NICS_ANNOTATION = "emulator.rdma.lingjun.io/nics"
-PLUGIN_ANNOTATION = "emulator.rdma.lingjun.io/plugin"
 STATS_PATH = "/kube-emulator/requests"
 
 # (group/version/plural, kind, namespaced, subresources)
@@ -113,8 +117,9 @@ RESOURCES = [
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 # Resources whose status the server resets on create (their strategies' PrepareForCreate).
 STATUS_RESET_ON_CREATE = {"pods", "daemonsets", "jobs", "poddisruptionbudgets"}
-# Fields each resource's field selector supports (pkg/registry/core/pod/strategy.go
-# PodToSelectableFields, node/strategy.go NodeToSelectableFields; generic for the rest).
+# Fields each resource's field selector supports (pkg/apis/core/v1/conversion.go's field label
+# conversions; generic for the rest), and the old names it converts (spec.host of old v1 clients).
+FIELD_ALIASES = {"pods": {"spec.host": "spec.nodeName"}}
 FIELDS = {
     "pods": {
         "metadata.name",
@@ -126,6 +131,7 @@ FIELDS = {
         "spec.hostNetwork",
         "status.phase",
         "status.podIP",
+        "status.podIPs",
         "status.nominatedNodeName",
     },
     "nodes": {"metadata.name", "spec.unschedulable"},
@@ -188,13 +194,6 @@ def budget_refusal(cause: str, retry_after: int = 0) -> ApiError:
     if retry_after:
         details["retryAfterSeconds"] = retry_after
     return ApiError(429, "TooManyRequests", PDB_MESSAGE, details)
-
-
-def format_quantity(n: int) -> str:
-    for suffix, factor in (("M", 10**6), ("k", 10**3)):
-        if n and n % factor == 0:
-            return f"{n // factor}{suffix}"
-    return str(n)
 
 
 # --- validation of keys and values (k8s.io/apimachinery/pkg/util/validation) -----------------------
@@ -322,17 +321,17 @@ def parse_label_selector(text: str) -> list[tuple[str, str, tuple[str, ...]]]:
             else:
                 raise err(f"found '{nxt}', expected: in, notin, =, ==, !=, gt, lt")
         if i < len(tokens):
-            if tokens[i] != ",":
-                raise err(f"found '{tokens[i]}', expected: ','")
+            if tokens[i] != ",":  # selector.go parse(): not wrapped in "unable to parse requirement"
+                raise bad_request(f"found '{tokens[i]}', expected: ',' or 'end of string'")
             i += 1
     for key, op, values in reqs:
         problems = qualified_name_errors(key)
         if problems:
-            raise bad_request(f"unable to parse requirement: invalid label key {key!r}: {'; '.join(problems)}")
-        for value in values if op not in (">", "<") else ():
+            raise err(f"key: Invalid value: {json.dumps(key)}: {'; '.join(problems)}")
+        for n, value in enumerate(values if op not in (">", "<") else ()):
             bad = label_value_errors(value)
             if bad:
-                raise bad_request(f"unable to parse requirement: invalid label value: {value!r}: {'; '.join(bad)}")
+                raise err(f"values[{n}][{key}]: Invalid value: {json.dumps(value)}: {'; '.join(bad)}")
     return reqs
 
 
@@ -370,6 +369,7 @@ def parse_field_selector(text: str, plural: str) -> list[tuple[str, str, str]]:
         if not m:
             raise bad_request(f"invalid selector: '{text}'; can't understand '{raw}'")
         key, op, value = m.group(1), m.group(2), m.group(3)
+        key = FIELD_ALIASES.get(plural, {}).get(key, key)
         if key not in allowed:
             raise bad_request(f"field label not supported: {key}")
         reqs.append((key, "!=" if op == "!=" else "=", value))
@@ -629,7 +629,20 @@ def build_emulator(args: argparse.Namespace) -> Any:
         def _dry_run(self, request: Any) -> bool:
             values = request.url.query.getall("dryRun", [])
             if any(v != "All" for v in values):
-                raise bad_request(f"Invalid dryRun value: {values}; only All is supported")
+                # handlers/{create,patch,update,delete}.go: errors.NewInvalid of the request's options
+                kind = {"POST": "Create", "PATCH": "Patch", "PUT": "Update"}.get(request.method, "Delete") + "Options"
+                shown = json.dumps(values, separators=(",", ":"))  # as Go's json.Marshal writes it
+                cause = f'Unsupported value: {shown}: supported values: "All"'
+                raise ApiError(
+                    422,
+                    "Invalid",
+                    f'{kind}.meta.k8s.io "" is invalid: dryRun: {cause}',
+                    {
+                        "group": "meta.k8s.io",
+                        "kind": kind,
+                        "causes": [{"reason": "FieldValueNotSupported", "message": cause, "field": "dryRun"}],
+                    },
+                )
             return bool(values)
 
         def _key(self, request: Any) -> Any:
@@ -794,9 +807,7 @@ def build_emulator(args: argparse.Namespace) -> Any:
             if dry_run:
                 return new
             new["metadata"]["resourceVersion"] = self._next_rv()
-            raw = await self._store(res, key, new, "MODIFIED")
-            self._after_update(res, request.name, old, raw)
-            return raw
+            return await self._store(res, key, new, "MODIFIED")
 
         def _apply_patch(self, request: Any, old: dict[str, Any]) -> dict[str, Any]:
             ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip()
@@ -940,33 +951,6 @@ def build_emulator(args: argparse.Namespace) -> Any:
                 }
             )
 
-        # -- the device-plugin stand-in ------------------------------------------------------------
-        def _after_update(self, res: Any, name: str, old: dict[str, Any], new: dict[str, Any]) -> None:
-            if args.plugin_delay is None or res.plural != "nodes":
-                return
-            before = (old["metadata"].get("labels") or {}).get(MODE_LABEL)
-            after = (new["metadata"].get("labels") or {}).get(MODE_LABEL)
-            if after != before and (new["metadata"].get("annotations") or {}).get(PLUGIN_ANNOTATION) != "broken":
-                asyncio.get_running_loop().create_task(self._plugin_restarts(res, name))
-
-        async def _plugin_restarts(self, res: Any, name: str) -> None:
-            """The other mode's DaemonSet pod starts on the node and re-advertises the resource."""
-            await asyncio.sleep(args.plugin_delay)
-            key = (res, None, name)
-            async with self._lock:
-                node = self._live(key)
-                if node is None:
-                    return
-                meta = node["metadata"]
-                mode = (meta.get("labels") or {}).get(MODE_LABEL, args.default_mode)
-                nics = int((meta.get("annotations") or {}).get(NICS_ANNOTATION, "0"))
-                qty = format_quantity(args.shared_devices if mode == "shared" else nics)
-                status = node.setdefault("status", {})
-                status.setdefault("capacity", {})[args.resource] = qty
-                status.setdefault("allocatable", {})[args.resource] = qty
-                meta["resourceVersion"] = self._next_rv()
-                await self._store(res, key, node, "MODIFIED")
-
     emulator = Emulator()
     for gvr, kind, namespaced, subresources in RESOURCES:
         emulator.resources[gvr] = kmock.ResourceInfo(
@@ -1069,11 +1053,7 @@ def _start(args: argparse.Namespace) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.kubeconfig)), exist_ok=True)
     log = open(args.kubeconfig + ".log", "w", encoding="utf-8")  # noqa: SIM115 (handed to the child)
     cmd = [sys.executable, os.path.abspath(__file__), "serve", "--port", str(port)]
-    cmd += ["--resource", args.resource, "--shared-devices", str(args.shared_devices)]
-    cmd += ["--default-mode", args.default_mode, "--continue-ttl", str(args.continue_ttl)]
-    cmd += ["--pod-termination", str(args.pod_termination)]
-    if args.plugin_delay is not None:
-        cmd += ["--plugin-delay", str(args.plugin_delay)]
+    cmd += ["--continue-ttl", str(args.continue_ttl), "--pod-termination", str(args.pod_termination)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     # Recorded at once: a start that fails below still leaves a pid that stop can end.
     with open(pid_file, "w", encoding="utf-8") as fh:
@@ -1125,10 +1105,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("start", "serve"):
         p = sub.add_parser(name)
         p.add_argument("--port", type=int, default=18080, help="0 (start only): a free port")
-        p.add_argument("--resource", default="rdma/hca")
-        p.add_argument("--shared-devices", type=int, default=1000)
-        p.add_argument("--default-mode", choices=["shared", "exclusive"], default="shared")
-        p.add_argument("--plugin-delay", type=float, default=None, help="seconds; enables the plugin stand-in")
         p.add_argument("--continue-ttl", type=float, default=300.0, help="seconds a continue token stays valid")
         p.add_argument(
             "--pod-termination",

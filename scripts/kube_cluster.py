@@ -3,7 +3,9 @@
 kube-controller-manager and kube-scheduler, built by scripts/kube-build.sh from the versions pinned in
 kube/go.mod, on 127.0.0.1 with certificates made on the fly and a free port each.
 
-    kube_cluster.py up   [--dir out/cluster]   start it, write DIR/kubeconfig, wait until the API answers
+    kube_cluster.py up   [--dir out/cluster] [--audit-policy FILE]
+                                               start it, write DIR/kubeconfig, wait until the API answers
+                                               (with an audit policy: the API server's audit log in DIR/logs/audit.log)
     kube_cluster.py down [--dir out/cluster]   stop every process `up` started (also after a failed up)
     kube_cluster.py status [--dir out/cluster]
 
@@ -218,6 +220,9 @@ class Cluster:
     # kube-controller-manager's --controllers (e.g. "*,-daemonset,-nodelifecycle" for a cluster whose
     # nodes have no kubelet and whose statuses a bench writes itself)
     controllers: str = "*"
+    # An audit policy (audit.k8s.io/v1 Policy): the API server records the requests it selects in
+    # logs/audit.log (JSON lines, written before the response in its default blocking mode).
+    audit_policy: Path | None = None
 
     @property
     def kubeconfig(self) -> Path:
@@ -321,6 +326,11 @@ class Cluster:
                 "--v=1",
             ],
         }
+        if self.audit_policy:
+            argv["kube-apiserver"] += [
+                f"--audit-policy-file={self.audit_policy.resolve()}",
+                f"--audit-log-path={logs / 'audit.log'}",
+            ]
         if gates:
             for c in ("kube-apiserver", "kube-controller-manager", "kube-scheduler"):
                 argv[c].append(f"--feature-gates={gates}")
@@ -514,10 +524,15 @@ def node_start_request(
     }
 
 
+def image_runtime(command: str) -> dict[str, list[str]]:
+    """An image whose containers run ``command`` with this checkout's venv first on PATH (so a wrapper
+    can exec the plugin, and its exec probes find ``rdma-device-plugin``)."""
+    return {"entrypoint": [command], "path": [str(ROOT / ".venv" / "bin")]}
+
+
 def plugin_images() -> dict[str, dict[str, list[str]]]:
     """The plugin's image runs as this checkout's plugin (its venv) on a joined node."""
-    venv = ROOT / ".venv" / "bin"
-    return {"rdma-device-plugin": {"entrypoint": [str(venv / "rdma-device-plugin")], "path": [str(venv)]}}
+    return {"rdma-device-plugin": image_runtime(str(ROOT / ".venv" / "bin" / "rdma-device-plugin"))}
 
 
 class Node:
@@ -633,6 +648,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fixture", action="store_true", help="join: write a fixture Lingjun node at ROOT first")
     ap.add_argument("--plugin", action="store_true", help="join: run the plugin's image as this checkout's plugin")
     ap.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="NAME=COMMAND",
+        help="join: run the containers of image NAME (last path element, no tag) as COMMAND, this checkout's "
+        "venv first on PATH (repeatable; overrides --plugin for NAME)",
+    )
+    ap.add_argument("--audit-policy", help="up: the API server's audit policy file (log in DIR/logs/audit.log)")
+    ap.add_argument(
         "--dir", default=str(ROOT / "out" / "cluster"), help="state, certificates, logs (default out/cluster)"
     )
     ap.add_argument("--no-build", action="store_true", help="do not run scripts/kube-build.sh first")
@@ -642,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             t0 = time.monotonic()
             c.bin = kube_bin() if args.no_build else build()
+            c.audit_policy = Path(args.audit_policy) if args.audit_policy else None
             c.up()
             rel = os.path.relpath(c.kubeconfig)
             print(f"cluster up in {time.monotonic() - t0:.1f} s: {c.server()} (Kubernetes {c.bin.parent.name})")
@@ -658,7 +683,13 @@ def main(argv: list[str] | None = None) -> int:
                 fixture = [str(ROOT / ".venv" / "bin" / "rdma-device-plugin"), "fixture", str(root)]
                 subprocess.run(fixture, check=True, capture_output=True)
             labels = dict(kv.split("=", 1) for kv in args.label)
-            c.join(args.node, root, index=args.index, labels=labels, images=plugin_images() if args.plugin else None)
+            images = plugin_images() if args.plugin else {}
+            for spec in args.image:
+                name, _, command = spec.partition("=")
+                if not name or not command:
+                    ap.error(f"--image {spec!r}: expected NAME=COMMAND, e.g. rdma-device-plugin=/path/to/wrapper")
+                images[name] = image_runtime(command)
+            c.join(args.node, root, index=args.index, labels=labels, images=images)
             print(f"node {args.node} joined ({root}); it stops with make cluster-down")
             return 0
         if args.command == "down":

@@ -30,6 +30,17 @@ def test_rollout_waves(value: object, nodes: int, count: int, waves: int) -> Non
     assert fleet.rollout_seconds(nodes, value, 60, 30) == 60 + 30 * waves
 
 
+def test_a_ready_pod_not_yet_available_keeps_the_rollout_going_and_says_so() -> None:
+    """Pods count as available only minReadySeconds after they turned Ready (apps/v1 DaemonSet):
+    until then the rollout is not done, and its line says why."""
+    status = {"observedGeneration": 1, "desiredNumberScheduled": 2, "updatedNumberScheduled": 2, "numberReady": 2}
+    ds = fleet.daemonset_view({"metadata": {"name": "ds", "generation": 1}, "status": {**status, "numberAvailable": 1}})
+    assert not fleet.rolled_out(ds)
+    assert fleet.rollout_text([ds]) == "ds 2/2 updated, 2 ready (1 available)"
+    ds = fleet.daemonset_view({"metadata": {"name": "ds", "generation": 1}, "status": {**status, "numberAvailable": 2}})
+    assert fleet.rolled_out(ds) and fleet.rollout_text([ds]) == "ds 2/2 updated, 2 ready"
+
+
 def test_bad_max_unavailable_is_refused() -> None:
     with pytest.raises(ValueError, match="neither a whole number nor a percentage"):
         fleet.max_unavailable_nodes("ten", 10)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -169,3 +170,78 @@ def test_helm_install_to_an_admitted_rdma_pod(kube: Kube, kube_nodes: Any) -> No
 def _plugin_log(kube: Kube, node: Any) -> str:
     pods = kube.get("pods", "-n", "kube-system", "-l", "app.kubernetes.io/component=device-plugin")["items"]
     return "\n".join(node.log("kube-system", p["metadata"]["name"], "rdma-device-plugin")[-3000:] for p in pods)
+
+
+def _pod_on(node: str, name: str, container: dict[str, Any]) -> dict[str, Any]:
+    """A pod of one container, for the scheduler to bind to this node."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "containers": [{"name": "main", **container}]},
+    }
+
+
+def _container(kube: Kube, pod: str) -> dict[str, Any]:
+    """The status of the pod's (first) container, empty before there is one."""
+    status = kube.get("pod", pod, "-n", "default").get("status", {})
+    return dict((status.get("containerStatuses") or [{}])[0])
+
+
+def test_a_restarted_container_without_a_readiness_probe_is_ready_again(kube: Kube, kube_nodes: Any) -> None:
+    """The kubelet's prober reports success for a container without a readiness probe, so a
+    container that exited and was restarted is ready again once it runs (a DaemonSet whose plugin
+    crashed once must count it ready again: plugin_verify follows numberReady)."""
+    node = kube_nodes("n-restart", images={"job": {"entrypoint": ["/bin/sh"], "path": []}}).start()
+    marker = node.root / "started-once"
+    # The first run leaves a marker and exits 1; the restart finds it and keeps running.
+    script = 'if [ -e "$0" ]; then exec sleep 3600; fi; touch "$0"; exit 1'
+    kube.apply(
+        _pod_on(
+            "n-restart",
+            "restarts-once",
+            {"image": "127.0.0.1:5000/job:1", "command": ["/bin/sh", "-c", script, str(marker)]},
+        )
+    )
+    try:
+
+        def restarted_and_ready() -> bool:
+            c = _container(kube, "restarts-once")
+            return bool(c.get("restartCount", 0) >= 1 and "running" in c.get("state", {}) and c.get("ready"))
+
+        assert wait_for(restarted_and_ready, timeout=120), kube.get("pod", "restarts-once", "-n", "default")["status"]
+        assert marker.exists()
+    finally:
+        kube.kubectl(
+            "delete", "pod", "restarts-once", "-n", "default", "--ignore-not-found", "--wait=false", check=False
+        )
+
+
+def test_a_missing_command_waits_in_create_container_error_until_it_appears(kube: Kube, kube_nodes: Any) -> None:
+    """A container whose command does not exist (yet) is not created: Waiting with
+    CreateContainerError, retried, never running or ready, no restart counted, whether or not the
+    node runs it in a mount namespace of its own (as root); it starts once the command appears."""
+    root = Path(tempfile.mkdtemp(prefix="kn-img-", dir="/tmp"))
+    command = root / "late"
+    try:
+        kube_nodes("n-late", images={"late": {"entrypoint": [str(command)], "path": []}}).start()
+        kube.apply(_pod_on("n-late", "late", {"image": "127.0.0.1:5000/late:1"}))
+
+        def waiting() -> dict[str, Any]:
+            return dict(_container(kube, "late").get("state", {}).get("waiting", {}))
+
+        assert wait_for(lambda: waiting().get("reason") == "CreateContainerError"), _container(kube, "late")
+        assert "not found" in waiting()["message"] and str(command) in waiting()["message"]
+        assert _container(kube, "late")["restartCount"] == 0 and not _container(kube, "late")["ready"]
+        command.write_text("#!/bin/sh\nexec sleep 3600\n")
+        command.chmod(0o755)
+
+        def running() -> bool:
+            c = _container(kube, "late")
+            return bool("running" in c.get("state", {}) and c.get("ready"))
+
+        assert wait_for(running, timeout=60), _container(kube, "late")
+        assert _container(kube, "late")["restartCount"] == 0
+    finally:
+        kube.kubectl("delete", "pod", "late", "-n", "default", "--ignore-not-found", "--wait=false", check=False)
+        shutil.rmtree(root, ignore_errors=True)

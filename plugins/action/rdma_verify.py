@@ -104,18 +104,21 @@ class ActionModule(ActionBase):
             left = max(0.0, deadline_s - elapsed)
             rollout_done = not check_daemonsets or (daemonsets and all(rolled_out(d) for d in daemonsets))
             line = "%d of %d nodes advertise %s as expected" % (good, len(wants), cluster.resource)
-            if line != last_shown:  # on stderr: stdout stays what the stdout callback makes of it (json, ...)
+            waiting = bool(pending) or not rollout_done
+            if (line, waiting) != last_shown:  # on stderr: stdout stays what the stdout callback makes of it
                 display.display(
                     "%s; %s%s" % (line, "rollout: " + rollout_text(daemonsets) if check_daemonsets else "",
-                                  "" if not pending else "; waiting up to %ds more" % left),
+                                  "; waiting up to %ds more" % left if waiting else ""),
                     stderr=True,
                 )
-                last_shown = line
+                last_shown = (line, waiting)
             state = (tuple(sorted(pending)), tuple(sorted((h, verdicts[h].msg) for h in pending)))
             if state != last_state:
                 stable_since, last_state = time.monotonic(), state
             settled = rollout_done and time.monotonic() - stable_since >= settle
-            if not pending or elapsed >= deadline_s or settled:
+            # Every node passing is not the end while pods are Ready but not yet available (the chart's
+            # minReadySeconds): the DaemonSets must be rolled out too.
+            if (not pending and rollout_done) or elapsed >= deadline_s or settled:
                 break
             time.sleep(min(interval, max(0.0, deadline_s - elapsed)))
 

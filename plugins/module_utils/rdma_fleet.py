@@ -247,8 +247,16 @@ def rollout_text(daemonsets):
     if not daemonsets:
         return "no DaemonSet of the release"
     return ", ".join(
-        "%s %d/%d updated, %d ready%s"
-        % (d["name"], d["updated"], d["desired"], d["ready"], "" if d["observed"] >= d["generation"] else " (not observed yet)")
+        "%s %d/%d updated, %d ready%s%s"
+        % (
+            d["name"],
+            d["updated"],
+            d["desired"],
+            d["ready"],
+            # Ready pods count as available only after the DaemonSet's minReadySeconds
+            " (%d available)" % d["available"] if d["available"] < d["ready"] else "",
+            "" if d["observed"] >= d["generation"] else " (not observed yet)",
+        )
         for d in daemonsets
     )
 

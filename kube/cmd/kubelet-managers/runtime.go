@@ -9,7 +9,9 @@
 // type as the kubelet's volume plugin checks it; configMap, secret and emptyDir volumes are
 // materialized in the state dir). As root, each process gets a mount namespace of its own with a
 // private /dev/shm (a container's /dev/shm is its own), and exec probes run inside it (nsenter), as
-// `runc exec` does. Other containers count as running and ready from the start and never exit.
+// `runc exec` does. A command that does not exist is a CreateContainerError, retried every second
+// (a runtime would fail the start; here an image's entrypoint may appear later, as an image is
+// pulled). Other containers count as running and ready from the start and never exit.
 package main
 
 import (
@@ -342,6 +344,12 @@ func (rt *podRuntime) start(ctx context.Context, a *nodeAgent, pod *v1.Pod, c *v
 		return err
 	}
 	defer logf.Close()
+	// The container's command is looked up before the mount namespace wraps it: a missing one is a
+	// CreateContainerError (retried every second, never running nor ready) whoever runs this, not a
+	// shell that exits 127 only when running as root.
+	if _, err := lookPath(argv[0], environ); err != nil {
+		return fmt.Errorf("container %s: %v", c.Name, err)
+	}
 	p := exec.Command(argv[0], argv[1:]...)
 	if privateMounts() {
 		// A mount namespace of its own with a private /dev/shm, then exec the container's command.
@@ -394,6 +402,9 @@ func hostname(pod *v1.Pod) string {
 
 func lookPath(name string, environ []string) (string, error) {
 	if strings.Contains(name, "/") {
+		if st, err := os.Stat(name); err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
+			return "", fmt.Errorf("executable %q not found (join.images[].entrypoint or the container's command)", name)
+		}
 		return name, nil
 	}
 	for _, e := range environ {

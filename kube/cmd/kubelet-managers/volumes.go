@@ -286,6 +286,9 @@ func rewriter(mounts map[string]string) func(string) string {
 func (rt *podRuntime) startProbes(a *nodeAgent, pod *v1.Pod, c *v1.Container, cs *ctrState, environ []string, rw func(string) string) {
 	stop := make(chan struct{})
 	cs.probeStop = stop
+	// Without a readiness probe a running container is ready, also after a restart (the kubelet's
+	// prober manager: no probe means success); an exit set ready to false.
+	cs.ready = true
 	if c.ReadinessProbe != nil && c.ReadinessProbe.Exec != nil {
 		cs.ready, cs.probed = false, true
 		go rt.probeLoop(c.ReadinessProbe, cs, environ, rw, stop, func(ok bool) {
