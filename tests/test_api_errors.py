@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import ipaddress
 import json
 import socket
 import ssl
@@ -34,7 +35,7 @@ def _self_signed(tmp_path: Path, name: str) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (its own CA) and its key, as PEM files."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(subject)
@@ -45,7 +46,7 @@ def _self_signed(tmp_path: Path, name: str) -> tuple[Path, Path]:
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(__import__("ipaddress").ip_address("127.0.0.1"))]),
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
             critical=False,
         )
         .sign(key, hashes.SHA256())
@@ -159,12 +160,18 @@ def servers(tmp_path: Path) -> Iterator[Servers]:
 
 # What each failure says: its own words, then the fix with the variable to change.
 EXPECTED = {
-    "refused": ["cannot reach the Kubernetes API at https://127.0.0.1:{port}: connection refused",
-                "Fix: start the cluster, or set rdma_kubeconfig"],
-    "tls": ["the Kubernetes API at https://127.0.0.1:{port} failed the TLS check: certificate verify failed",
-            "Fix: set rdma_kubeconfig (and rdma_kube_context) to this cluster's own kubeconfig"],
-    "silent": ["the Kubernetes API at https://127.0.0.1:{port} did not answer within rdma_kube_request_timeout=3s",
-               "or raise rdma_kube_request_timeout"],
+    "refused": [
+        "cannot reach the Kubernetes API at https://127.0.0.1:{port}: connection refused",
+        "Fix: start the cluster, or set rdma_kubeconfig",
+    ],
+    "tls": [
+        "the Kubernetes API at https://127.0.0.1:{port} failed the TLS check: certificate verify failed",
+        "Fix: set rdma_kubeconfig (and rdma_kube_context) to this cluster's own kubeconfig",
+    ],
+    "silent": [
+        "the Kubernetes API at https://127.0.0.1:{port} did not answer within rdma_kube_request_timeout=3s",
+        "or raise rdma_kube_request_timeout",
+    ],
 }
 
 

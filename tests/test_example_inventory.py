@@ -65,10 +65,24 @@ def test_deploy_without_helm_fails_and_says_what_to_install(tmp_path: Path) -> N
     result = run_playbook(
         "playbooks/site.yml", "-i", EXAMPLE, *OFFLINE,
         "-e", "plugin_deploy_helm_binary=/nonexistent/helm", "-e", f"plugin_deploy_values_dir={tmp_path}",
+        "-e", "rdma_plugin_image_repository=registry.mycorp.example/rdma/rdma-device-plugin",
     )  # fmt: skip
     assert result.returncode != 0
     assert "Install Helm 3.8 or later" in result.stdout
     assert "-e plugin_deploy_render_only=true" in result.stdout
+
+
+def test_the_placeholder_registry_is_refused_before_anything_is_installed(tmp_path: Path) -> None:
+    """The example's registry.example.com publishes nothing: a real deploy (not render only) stops at
+    once, saying how to build and push the image or which variable names a pushed one."""
+    result = run_playbook(
+        "playbooks/site.yml", "-i", EXAMPLE, *OFFLINE, "-e", f"plugin_deploy_values_dir={tmp_path}",
+    )  # fmt: skip
+    out = " ".join(result.stdout.split())
+    assert result.returncode == 2, out[-3000:]
+    assert "from registry.example.com, the example's placeholder" in out, out[-3000:]
+    assert "-e plugin_image_enabled=true -e plugin_image_registry=" in out and "rdma_plugin_image_repository" in out
+    assert "Nothing was installed" in out and "Install Helm" not in out  # refused before helm is looked for
 
 
 def test_bad_typed_value_names_the_variable() -> None:
