@@ -40,11 +40,7 @@ stop: ## stop the local default's plugin and kubelet simulator (playbooks/uninst
 
 LOCAL_STATE := out/local/run/local-plugin.json
 status: setup ## the local default's plugin status: mode, capacity/allocatable, NICs with health, last allocations; its processes and metrics address
-	$(BIN)/rdma-device-plugin status --device-plugin-dir out/local/dp
-	@$(PY) -c 'import json,os,sys; s=json.load(open(sys.argv[1])); \
-	  [print("%s: pid %s (%s), log %s" % (n, s[n]["pid"], "running" if os.path.exists("/proc/%s" % s[n]["pid"]) else "not running", s[n]["log"])) for n in ("simulator", "plugin") if n in s]; \
-	  print("metrics: " + ("http://%s/metrics" % s["metrics_address"] if s.get("metrics_address") else "off"))' $(LOCAL_STATE) 2>/dev/null \
-	  || echo "no local processes recorded ($(LOCAL_STATE)): make demo starts them"
+	@$(PY) scripts/local_status.py $(LOCAL_STATE) out/local/dp "make demo"
 
 PROMETHEUS_ARGS ?= --keep
 prometheus-local: setup system-deps ## a real Prometheus with the chart's alerts scraping the local default's plugin (`make demo` first): prints alert states and its address

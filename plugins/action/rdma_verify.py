@@ -76,10 +76,14 @@ class ActionModule(ActionBase):
 
         values = Hosts(task_vars)
         report_nodes = read_report(cluster.report) if cluster.report else {}
-        wants = []
+        wants, conflicts = [], []
         for host in hosts:
-            nics, source = nic_count(values, host, report_nodes)
+            nics, source, conflict = nic_count(values, host, report_nodes)
             wants.append(Want(host, values.node_name(host), nics, source))
+            if conflict:
+                conflicts.append(conflict)
+        if conflicts:
+            result["warnings"] = conflicts[:20] + (["... and %d more hosts" % (len(conflicts) - 20)] if len(conflicts) > 20 else [])
 
         deadline_s = rollout_seconds(len(hosts), max_unavailable, base, per_wave)
         start = time.monotonic()
