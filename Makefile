@@ -12,15 +12,14 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
-# pip prints one line per package it collects (a few minutes and about 1.3 GB on a first run, seconds
-# from the pip cache); everything else of pip's output is filtered out.
+# One line per package collected, downloaded and then installed (a few minutes and about 1.3 GB on a
+# first run, seconds from the pip cache): scripts/pip_progress.py.
 $(VENV)/.stamp: requirements-dev.txt plugin_src/pyproject.toml
 	@echo "setup [1/3] $(VENV): Python virtual environment"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@echo "setup [2/3] requirements-dev.txt (ansible, molecule, helm engine, test tools)"
-	@set -o pipefail; $(PY) -m pip install -r requirements-dev.txt 2>&1 \
-	  | awk '/^Collecting /{n++; printf "  %3d %s\n", n, $$2; fflush()} /^(ERROR|error)/{print}'
+	@$(PY) scripts/pip_progress.py -r requirements-dev.txt
 	@echo "setup [3/3] the plugin (editable, from plugin_src/)"
 	@$(PY) -m pip install -q -e plugin_src
 	@touch $@
