@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -122,3 +123,25 @@ def local(tmp_path: Path) -> Iterator[Path]:
         for pid in processes(str(work)):
             os.kill(pid, 9)
         subprocess.run(["rm", "-rf", str(work)], check=False)
+
+
+GLOBAL_LOCK = "/tmp/molecule.lock"  # the local default's fixed paths, shared with molecule and make demo
+
+
+def plain_env() -> dict[str, str]:
+    """The environment a reader has: no venv on PATH, no ANSIBLE_CONFIG from the Makefile."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "MAKE", "MFLAGS", "VIRTUAL_ENV"))}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if Path(p) != BIN)
+    env["ANSIBLE_NOCOLOR"] = "1"
+    return env
+
+
+@pytest.fixture
+def local_default_lock() -> Iterator[None]:
+    with open(GLOBAL_LOCK, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            subprocess.run(["make", "stop"], cwd=ROOT, env=plain_env(), capture_output=True, timeout=600, check=False)
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
-from test_docs import FENCE, _plain_env, local_default_lock  # noqa: F401  (the fixture is used by name)
+from conftest import ROOT, plain_env
+from test_docs import FENCE
 
 COPY = "inventories/my-cluster"
 
@@ -43,15 +43,16 @@ def _run(body: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 def test_newcomer_walkthrough(sandbox: Path, local_default_lock: None) -> None:
-    env = {**_plain_env(), "HOME": str(sandbox / "home")}
-    steps = [("getting-started", info, body) for info, body in walkthrough(ROOT / "docs/getting-started.md", "runnable")]
+    env = {**plain_env(), "HOME": str(sandbox / "home")}
+    started = walkthrough(ROOT / "docs/getting-started.md", "runnable")
+    steps = [("getting-started", info, body) for info, body in started]
     steps += [
         ("before-a-real-cluster", info, body.replace(COPY, str(sandbox / "my-cluster")))
         for info, body in walkthrough(ROOT / "docs/before-a-real-cluster.md", "walkthrough")
     ]
     assert len(steps) >= 10 and sum("fails" in info.split() for _, info, _ in steps) >= 3
     for i, (doc, info, body) in enumerate(steps):
-        result = _run(body, env if doc == "before-a-real-cluster" else _plain_env())
+        result = _run(body, env if doc == "before-a-real-cluster" else plain_env())
         out = " ".join((result.stdout + result.stderr).split())
         where = f"{doc} block {i}:\n{body}\n--- output\n{out[-3000:]}"
         assert "Traceback (most recent call last)" not in result.stdout + result.stderr, where
