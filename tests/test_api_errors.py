@@ -249,3 +249,16 @@ def test_playbooks_pass_the_message_through(
         assert text.format(port=servers.ports[kind]) in out, out[-3000:]
     assert "HTTPSConnectionPool" not in out and "reading the nodes failed" not in out, out[-3000:]
     assert "unreachable=1" not in out  # the node was never contacted
+
+
+def test_one_request_timeout_default() -> None:
+    """The role variable, the modules' option and its documentation say the same number."""
+    from ansible_collections.lingjun.rdma.plugins.doc_fragments.rdma_k8s import ModuleDocFragment
+    from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_k8s import CONNECTION_ARGS, REQUEST_TIMEOUT
+
+    defaults = yaml.safe_load((ROOT / "roles/rdma_node_facts/defaults/main.yml").read_text())
+    spec = yaml.safe_load((ROOT / "roles/rdma_node_facts/meta/argument_specs.yml").read_text())
+    option = spec["argument_specs"]["main"]["options"]["rdma_kube_request_timeout"]
+    doc = yaml.safe_load(ModuleDocFragment.DOCUMENTATION)["options"]["request_timeout"]
+    assert defaults["rdma_kube_request_timeout"] == option["default"] == doc["default"] == REQUEST_TIMEOUT
+    assert CONNECTION_ARGS["request_timeout"]["default"] == REQUEST_TIMEOUT
