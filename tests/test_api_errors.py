@@ -11,10 +11,14 @@ import base64
 import datetime
 import ipaddress
 import json
+import os
+import signal
 import socket
 import ssl
 import subprocess
+import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +29,14 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from kube_cluster import Cluster
+
+pytest.register_assert_rewrite("kube_pytest")
+from kube_pytest import wait_for  # noqa: E402
+
+pytest_plugins = ["kube_pytest"]
 
 # Far below the default (30 s), so that a test of a server that never answers is quick.
 TIMEOUT = "3"
@@ -262,3 +274,51 @@ def test_one_request_timeout_default() -> None:
     doc = yaml.safe_load(ModuleDocFragment.DOCUMENTATION)["options"]["request_timeout"]
     assert defaults["rdma_kube_request_timeout"] == option["default"] == doc["default"] == REQUEST_TIMEOUT
     assert CONNECTION_ARGS["request_timeout"]["default"] == REQUEST_TIMEOUT
+
+
+def _api_ready(cluster: Cluster) -> bool:
+    try:
+        with urllib.request.urlopen(cluster.server() + "/readyz", context=cluster.ssl_context(), timeout=5) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def test_real_kube_apiserver(kube_cluster: Cluster, tmp_path: Path) -> None:
+    """The same three outcomes against kube-apiserver v1.37.2 (scripts/kube_cluster.py): its own kubeconfig
+    answers within the timeout (no false failure); the kubeconfig with another CA fails the TLS check of
+    the real server's certificate; the server stopped (SIGSTOP: the kernel still accepts connections into
+    its listen backlog, nothing answers the TLS hello) fails within rdma_kube_request_timeout."""
+    good = kube_cluster.kubeconfig
+    server = kube_cluster.server()
+    other_ca, _ = _self_signed(tmp_path, "other-ca")
+    config = yaml.safe_load(good.read_text())
+    config["clusters"][0]["cluster"]["certificate-authority"] = str(other_ca)
+    foreign = tmp_path / "kubeconfig-other-ca"
+    foreign.write_text(yaml.safe_dump(config))
+    timeout = {"request_timeout": float(TIMEOUT)}
+
+    info = _module("rdma_cluster_info", {"kubeconfig": str(good), **timeout})
+    assert not info.get("failed") and info["version"] == "v1.37.2" and info["server"] == server, info
+    nodes = _module("rdma_cluster_nodes", {"daemonset_namespace": "kube-system", "kubeconfig": str(good), **timeout})
+    assert not nodes.get("failed"), nodes
+
+    modules = (("rdma_cluster_info", {}), ("rdma_cluster_nodes", {"daemonset_namespace": "kube-system"}))
+    tls_said = f"the Kubernetes API at {server} failed the TLS check: certificate verify failed"
+    for module, args in modules:
+        result = _module(module, {**args, "kubeconfig": str(foreign), **timeout})
+        msg = _flat(str(result.get("msg")))
+        assert result.get("failed") and tls_said in msg, msg
+        assert f"rdma_kubeconfig={foreign}" in msg and "Traceback" not in msg, msg
+
+    pid = int(kube_cluster.state()["processes"]["kube-apiserver"]["pid"])  # type: ignore[index]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for module, args in modules:
+            result = _module(module, {**args, "kubeconfig": str(good), **timeout})
+            msg = _flat(str(result.get("msg")))
+            assert result.get("failed"), result
+            assert f"the Kubernetes API at {server} did not answer within rdma_kube_request_timeout=3s" in msg, msg
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert wait_for(lambda: _api_ready(kube_cluster), timeout=120), "kube-apiserver did not come back after SIGCONT"
