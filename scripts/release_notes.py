@@ -3,8 +3,8 @@
 
   release_notes.py check VERSION [--draft]
       the tag's VERSION is the plugin's (plugin_src/pyproject.toml) and the chart's appVersion, and
-      CHANGELOG.md has a section "## VERSION" (with --draft, "## VERSION (unreleased)" is accepted:
-      a rehearsal); exit 1 naming what to fix
+      CHANGELOG.md has a section "## VERSION" (with --draft, a rehearsal, "## VERSION (unreleased)"
+      or else "## Unreleased" is accepted); exit 1 naming what to fix
   release_notes.py notes VERSION --image REF@DIGEST --chart OCI_REF --collection TARBALL [--platforms P] [--draft]
       Markdown on stdout: that CHANGELOG section, the chart's own CHANGELOG section of its version,
       then how to install each artifact
@@ -27,15 +27,21 @@ CHART = ROOT / "charts" / "rdma-device-plugin"
 
 
 def section(changelog: Path, version: str, draft: bool) -> str:
-    """The body of "## <version>" (or "## <version> (unreleased)" for a draft), without its heading."""
+    """The body of "## <version>" without its heading. A draft (a rehearsal) also takes
+    "## <version> (unreleased)" or, when the version has no section yet, the "## Unreleased" one
+    that collects the changes until the release renames it."""
     text = changelog.read_text(encoding="utf-8")
     heading = re.compile(r"^## %s(?P<unreleased> \(unreleased\))?\s*$" % re.escape(version), re.M)
     found = heading.search(text)
-    if not found or (found.group("unreleased") and not draft):
+    unreleased = re.search(r"^## Unreleased\s*$", text, re.M)
+    if not found and draft and unreleased:
+        found = unreleased
+    elif not found or (found.group("unreleased") and not draft):
         what = "is still marked (unreleased)" if found else "has no section"
+        rename = "; rename its '## Unreleased'" if unreleased and not found else ""
         raise SystemExit(
             f"release: {changelog.relative_to(ROOT)} {what} for {version}: write its '## {version}' section "
-            "(the release notes are taken from it), or rehearse with RELEASE_DRAFT=1"
+            f"(the release notes are taken from it{rename}), or rehearse with RELEASE_DRAFT=1"
         )
     rest = text[found.end():]
     following = re.search(r"^## ", rest, re.M)
