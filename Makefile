@@ -12,15 +12,14 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
-# pip prints one line per package it collects (a few minutes and about 1.3 GB on a first run, seconds
-# from the pip cache); everything else of pip's output is filtered out.
+# One line per package collected, downloaded and then installed (a few minutes and about 1.3 GB on a
+# first run, seconds from the pip cache): scripts/pip_progress.py.
 $(VENV)/.stamp: requirements-dev.txt plugin_src/pyproject.toml
 	@echo "setup [1/3] $(VENV): Python virtual environment"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@echo "setup [2/3] requirements-dev.txt (ansible, molecule, helm engine, test tools)"
-	@set -o pipefail; $(PY) -m pip install -r requirements-dev.txt 2>&1 \
-	  | awk '/^Collecting /{n++; printf "  %3d %s\n", n, $$2; fflush()} /^(ERROR|error)/{print}'
+	@$(PY) scripts/pip_progress.py -r requirements-dev.txt
 	@echo "setup [3/3] the plugin (editable, from plugin_src/)"
 	@$(PY) -m pip install -q -e plugin_src
 	@touch $@
@@ -52,11 +51,7 @@ stop: ## stop the local default's plugin and kubelet simulator (playbooks/uninst
 
 LOCAL_STATE := out/local/run/local-plugin.json
 status: setup ## the local default's plugin status: mode, capacity/allocatable, NICs with health, last allocations; its processes and metrics address
-	$(BIN)/rdma-device-plugin status --device-plugin-dir out/local/dp
-	@$(PY) -c 'import json,os,sys; s=json.load(open(sys.argv[1])); \
-	  [print("%s: pid %s (%s), log %s" % (n, s[n]["pid"], "running" if os.path.exists("/proc/%s" % s[n]["pid"]) else "not running", s[n]["log"])) for n in ("simulator", "plugin") if n in s]; \
-	  print("metrics: " + ("http://%s/metrics" % s["metrics_address"] if s.get("metrics_address") else "off"))' $(LOCAL_STATE) 2>/dev/null \
-	  || echo "no local processes recorded ($(LOCAL_STATE)): make demo starts them"
+	@$(PY) scripts/local_status.py $(LOCAL_STATE) out/local/dp "make demo"
 
 PROMETHEUS_ARGS ?= --keep
 prometheus-local: setup system-deps ## a real Prometheus with the chart's alerts scraping the local default's plugin (`make demo` first): prints alert states and its address
@@ -64,13 +59,14 @@ prometheus-local: setup system-deps ## a real Prometheus with the chart's alerts
 	  [ -n "$$target" ] || { echo "the local plugin serves no metrics ($(LOCAL_STATE)): run make demo first" >&2; exit 1; }; \
 	  $(PY) scripts/prometheus_local.py --target $$target --node lingjun-node-0 --port 0 $(PROMETHEUS_ARGS)
 
-lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
+lint: setup ## ruff, mypy, yamllint, actionlint (workflows), ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
 	cd plugin_src && $(BIN)/mypy
 	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py
 	$(BIN)/ruff check --select F,E9 plugins scripts  # modules run on nodes (any Python 3): pyflakes-level checks only
 	$(BIN)/yamllint -s .
 	bash scripts/check-proto.sh
+	bash scripts/actionlint.sh
 	if [ -d roles ] && ls roles/*/tasks >/dev/null 2>&1; then $(BIN)/ansible-lint; fi
 
 test-plugin: setup kube ## plugin unit and integration tests (real gRPC over unix sockets)

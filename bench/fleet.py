@@ -357,12 +357,19 @@ class RealCluster:
 
 def fake_collection(base: Path) -> Path:
     """A collections path whose lingjun.rdma is this repository with the rdma_node_info stand-in as its
-    action plugin (every other file a link to the repository's)."""
+    action plugin (every other file a link to the repository's). Run the playbooks of fake_playbooks(base)
+    with it: ansible-playbook looks in the collections/ next to the playbook before ANSIBLE_COLLECTIONS_PATH,
+    and the repository's playbooks/collections is the real collection."""
     coll = base / "fake-collections" / "ansible_collections" / "lingjun" / "rdma"
     coll.mkdir(parents=True)
     for entry in ROOT.iterdir():
-        if entry.name not in ("plugins", "collections", ".git"):
+        if entry.name not in ("plugins", "collections", "playbooks", ".git"):
             (coll / entry.name).symlink_to(entry)
+    (coll / "playbooks").mkdir()
+    for entry in (ROOT / "playbooks").iterdir():
+        if entry.name != "collections":
+            (coll / "playbooks" / entry.name).symlink_to(entry)
+    (coll / "playbooks" / "collections").symlink_to(base / "fake-collections")
     for sub in (ROOT / "plugins").iterdir():
         target = coll / "plugins" / sub.name
         if sub.name != "action":
@@ -375,6 +382,11 @@ def fake_collection(base: Path) -> Path:
                 (target / plugin.name).symlink_to(plugin)
         (target / "rdma_node_info.py").symlink_to(FAKE_PLUGINS / "rdma_node_info.py")
     return base / "fake-collections"
+
+
+def fake_playbooks(base: Path) -> Path:
+    """The playbooks directory of fake_collection(base): its collections/ is the shadow collection."""
+    return base / "fake-collections" / "ansible_collections" / "lingjun" / "rdma" / "playbooks"
 
 
 def bench(
@@ -397,6 +409,7 @@ def bench(
             (base / "fake").mkdir()
             env["ANSIBLE_COLLECTIONS_PATH"] = f"{fake_collection(base)}:{ROOT / 'collections'}"
             env["RDMA_FLEET_FAKE_CACHE"] = str(base / "fake")
+        books = fake_playbooks(base) if fake_facts else ROOT / "playbooks"
         nodes = write_fixtures(base)
         broken = {f"node-{i:05d}" for i in range(hosts) if fixture_of(i, nodes) != nodes[0]}
         cluster: Emulator | RealCluster | None = None
@@ -414,21 +427,21 @@ def bench(
                 # What site.yml keeps in memory between its plays, kept on disk between the phases.
                 env.update(ANSIBLE_CACHE_PLUGIN="jsonfile", ANSIBLE_CACHE_PLUGIN_CONNECTION=str(base / "facts"))
             if "validate" in phases:
-                validate = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "validate.yml")]
+                validate = [*playbook, "-i", str(inventory), str(books / "validate.yml")]
                 validate += ["-e", "rdma_validation_enforce=false"]
                 validate += [arg for var in validate_vars for arg in ("-e", var)]
                 label = "validate" + suffix + "".join(f" ({var})" for var in validate_vars)
                 figures.append(run(label, validate, hosts, env, base / "validate.log")[0])
                 check_validate(base, hosts, broken, cluster)
             if "deploy" in phases:
-                deploy = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "deploy.yml")]
+                deploy = [*playbook, "-i", str(inventory), str(books / "deploy.yml")]
                 deploy += ["-e", "plugin_deploy_render_only=true"]
                 figures.append(run("deploy (render only)" + suffix, deploy, hosts, env, base / "deploy.log")[0])
                 if not list((base / "out" / "manifests").glob("*.yaml")):
                     raise SystemExit("deploy rendered no manifests")
             if "verify" in phases and cluster is not None:
                 before = cluster.counts().get("list nodes", 0)
-                verify = [*playbook, "-i", str(inventory), str(ROOT / "playbooks" / "verify.yml")]
+                verify = [*playbook, "-i", str(inventory), str(books / "verify.yml")]
                 verify += ["-e", "plugin_verify_timeout=4"]
                 log = base / "verify.log"
                 figure, rc = run(f"verify ({API_NAMES[api]})" + suffix, verify, hosts, env, log, ok_rc=(0, 2))

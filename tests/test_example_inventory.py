@@ -34,7 +34,12 @@ def test_site_check_passes_on_the_example_inventory() -> None:
     assert "registry.example.com/rdma/rdma-device-plugin:" in out
     # --check names the values file it would write and shows it, instead of pointing at a missing file
     assert "--check: would write " in out and "sharedDevices: 1000" in out
-    assert "--check: would render 5 manifests" in out or "--check: would render" in out
+    assert out.count("sharedDevices: 1000") == 1  # once: without --diff the debug shows it, with --diff the diff does
+    flat = " ".join(out.split())
+    assert "--check: the chart renders 5 manifests of release rdma" in flat, flat[-3000:]
+    assert "nothing was written or installed (without --check they go to" in flat
+    assert "apply them with" not in flat  # no folder it did not write is pointed at
+    assert "placeholder registry.example.com/rdma/rdma-device-plugin, which nobody publishes" in flat
 
 
 def test_render_only_writes_the_manifests_with_typed_command_line_values(tmp_path: Path) -> None:
@@ -65,10 +70,24 @@ def test_deploy_without_helm_fails_and_says_what_to_install(tmp_path: Path) -> N
     result = run_playbook(
         "playbooks/site.yml", "-i", EXAMPLE, *OFFLINE,
         "-e", "plugin_deploy_helm_binary=/nonexistent/helm", "-e", f"plugin_deploy_values_dir={tmp_path}",
+        "-e", "plugin_image_registry=registry.mycorp.example",  # not the placeholder (refused before helm)
     )  # fmt: skip
     assert result.returncode != 0
     assert "Install Helm 3.8 or later" in result.stdout
     assert "-e plugin_deploy_render_only=true" in result.stdout
+
+
+def test_the_placeholder_registry_is_refused_before_anything_is_installed(tmp_path: Path) -> None:
+    """The example's registry.example.com publishes nothing: a real deploy (not render only) stops at
+    once, saying how to build and push the image or which variable names a pushed one."""
+    result = run_playbook(
+        "playbooks/site.yml", "-i", EXAMPLE, *OFFLINE, "-e", f"plugin_deploy_values_dir={tmp_path}",
+    )  # fmt: skip
+    out = " ".join(result.stdout.split())
+    assert result.returncode == 2, out[-3000:]
+    assert "from registry.example.com, the example's placeholder" in out, out[-3000:]
+    assert "-e plugin_image_enabled=true -e plugin_image_registry=" in out and "rdma_plugin_image_repository" in out
+    assert "Nothing was installed" in out and "Install Helm" not in out  # refused before helm is looked for
 
 
 def test_bad_typed_value_names_the_variable() -> None:

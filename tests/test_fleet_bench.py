@@ -15,16 +15,15 @@ import fleet
 
 def _report(base: Path, fake: bool) -> dict[str, object]:
     inventory = fleet.write_inventory(base, 12, fleet.write_fixtures(base))
-    env = {}
+    env, books = {}, ROOT / "playbooks"
     if fake:
         (base / "fake").mkdir()
         env = {
             "ANSIBLE_COLLECTIONS_PATH": f"{fleet.fake_collection(base)}:{ROOT / 'collections'}",
             "RDMA_FLEET_FAKE_CACHE": str(base / "fake"),
         }
-    run = run_playbook(
-        "-i", str(inventory), str(ROOT / "playbooks" / "validate.yml"), "-e", "rdma_validation_enforce=false", **env
-    )
+        books = fleet.fake_playbooks(base)
+    run = run_playbook("-i", str(inventory), str(books / "validate.yml"), "-e", "rdma_validation_enforce=false", **env)
     assert run.returncode == 0, run.stdout + run.stderr
     if fake:  # the real module ran once per fixture node the 12 hosts use (healthy, port down, fw), not per host
         assert len(list((base / "fake").glob("*.json"))) == 3

@@ -7,61 +7,14 @@ directory refuses to start. Each test deploys into its own directory (real plugi
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import yaml
-from conftest import BIN, run_playbook
-
-
-def _processes(marker: str) -> list[int]:
-    """Pids of the live processes whose command line mentions ``marker``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if marker in cmdline and state != "Z" and "pytest" not in cmdline:
-            pids.append(int(entry.name))
-    return pids
-
-
-@pytest.fixture
-def local(tmp_path: Path) -> Iterator[Path]:
-    """An inventory of the local target in its own short directory (unix socket paths < 108 bytes)."""
-    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"rdp-loc-{os.getpid()}-{time.monotonic_ns() % 10**6}"
-    node = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    vars_ = {
-        "rdma_deploy_target": "local",
-        "rdma_local_dir": str(work),
-        "rdma_sysfs_root": f"{work}/node/sys",
-        "rdma_procfs_root": f"{work}/node/proc",
-        "rdma_dev_root": f"{work}/node/dev",
-        "rdma_metrics_enabled": True,
-    }
-    inventory = tmp_path / "local-copy" / "hosts.yml"
-    inventory.parent.mkdir()
-    inventory.write_text(
-        yaml.safe_dump({"all": {"vars": vars_, "children": {"rdma_nodes": {"hosts": {"node": node}}}}})
-    )
-    try:
-        yield inventory
-    finally:
-        run_playbook("playbooks/uninstall.yml", "-i", str(inventory))
-        for pid in _processes(str(work)):
-            os.kill(pid, 9)
-        subprocess.run(["rm", "-rf", str(work)], check=False)
+from conftest import BIN, processes, run_playbook
 
 
 def _work(inventory: Path) -> str:
@@ -82,7 +35,7 @@ def test_a_failed_start_leaves_nothing_running(local: Path) -> None:
             out = " ".join(result.stdout.split())
             assert result.returncode != 0, out[-2000:]
             assert f"127.0.0.1:{port}" in out and "plugin_deploy_local_metrics_port" in out, out[-2000:]
-            assert _processes(_work(local)) == [], "a failed start left processes running"
+            assert processes(_work(local)) == [], "a failed start left processes running"
             assert not Path(_work(local), "run", "local-plugin.json").exists()
 
 
@@ -98,10 +51,10 @@ def test_free_metrics_port_kept_across_runs_and_stopped(local: Path) -> None:
     again = run_playbook("playbooks/deploy.yml", "-i", str(local))
     assert again.returncode == 0 and "changed=0" in again.stdout, again.stdout[-2000:]
     assert json.loads(Path(_work(local), "run", "local-plugin.json").read_text())["metrics_address"] == address
-    assert len(_processes(_work(local))) == 2  # the simulator and the plugin, once each
+    assert len(processes(_work(local))) == 2  # the simulator and the plugin, once each
     stop = run_playbook("playbooks/uninstall.yml", "-i", str(local))
     assert stop.returncode == 0, stop.stdout[-2000:]
-    assert _processes(_work(local)) == []
+    assert processes(_work(local)) == []
 
 
 def test_a_second_simulator_on_one_directory_refuses(tmp_path: Path) -> None:

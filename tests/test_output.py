@@ -1,6 +1,6 @@
 """The repository's Ansible output (callback_plugins/rdma_short.py via ansible.cfg): argument
 checks that pass and skipped tasks are not shown, a failing argument check is, and the messages
-of tasks tagged `result` come again under RESULT just before the recap."""
+of tasks tagged `result` come once, under RESULT just before the recap."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def test_noise_hidden_result_last(tmp_path: Path) -> None:
     result = out.index("RESULT *")
     assert out.index("PLAY RECAP") > result
     assert "localhost: first line of the result\nlocalhost: second line" in out[result:]
+    assert out.count("first line of the result") == 1, out  # once, under RESULT: not also in the task's output
+    assert "TASK [The outcome]" in out  # the task itself still shows (its ok line)
 
 
 def test_a_failing_argument_check_is_shown(tmp_path: Path) -> None:

@@ -10,10 +10,18 @@ hosts resolve the cluster-wide variables (``agree``: deploy target, kubeconfig, 
 controller does, since the controller plays act on the controller's values. Every problem is listed
 in one failure that names the variable, the value, where it comes from (-e or the hosts) and the
 fix; nothing has touched a node or the cluster yet.
+
+The first check of a run also looks for ``rdma_*``/``plugin_*`` variables that no role declares (every
+entry point of every roles/*/meta/argument_specs.yml, read at run time): a misspelt name is silently
+unused, so it is named with the closest declared one (difflib); rdma_unknown_variables says whether that
+warns, fails or is ignored. Facts and registered results (the variable manager's fact caches) are not
+inventory variables and are left out.
 """
 
 from __future__ import annotations
 
+import difflib
+import glob
 import json
 import os
 
@@ -28,9 +36,11 @@ from ansible.module_utils.common.validation import (
 )
 from ansible.plugins.action import ActionBase
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_node import healthchecks
+from ansible_collections.lingjun.rdma.plugins.modules.rdma_local_plugin import STATE_FILE
 from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import MISSING, Hosts, differing
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The collection root (realpath: playbooks/collections links back to this checkout's plugins/ and roles/)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 ABSOLUTE = ("rdma_sysfs_root", "rdma_procfs_root", "rdma_dev_root")
 POSITIVE = ("rdma_nic_validate_expected_nics", "rdma_nic_validate_rate_gbps", "rdma_shared_devices")
 # rdma_nic_validate variable -> rdma_node_info option whose range healthchecks.Expectations checks (the
@@ -54,6 +64,32 @@ def role_spec(role, entry="main"):
     if entry not in specs:
         raise AnsibleActionFail("rdma_inventory_check: role %s has no entry point %s in %s" % (role, entry, path))
     return specs[entry].get("options") or {}
+
+
+PREFIXES = ("rdma_", "plugin_")
+
+
+def known_variables():
+    """Every option of every entry point of every role's argument spec (the declared variables)."""
+    names = set()
+    for path in sorted(glob.glob(os.path.join(ROOT, "roles", "*", "meta", "argument_specs.yml"))):
+        with open(path, encoding="utf-8") as fh:
+            for entry in ((yaml.safe_load(fh) or {}).get("argument_specs") or {}).values():
+                names.update((entry or {}).get("options") or {})
+    return names
+
+
+def unknown_variables(names_by_where, known):
+    """One line per undeclared rdma_*/plugin_* variable: where it is set and the closest declared name.
+    ``names_by_where`` maps each variable name to the hosts (or "-e") that set it."""
+    out = []
+    for name in sorted(names_by_where):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        out.append(
+            "%s (%s) is not a variable of any lingjun.rdma role, so nothing reads it.%s"
+            % (name, names_by_where[name], " Did you mean %s?" % close[0] if close else "")
+        )
+    return out
 
 
 def _example(name, kind):
@@ -187,8 +223,26 @@ class ActionModule(ActionBase):
             for name, problem in health_problems(specs, got):
                 where = "from -e" if name in extra else self._hosts_text(host_list, len(hosts))
                 found.append("%s (%s)" % (problem, where))
+        warnings = []
+        if not checked:  # the run's first check: the inventory and -e are the same for every later one
+            unknown = self._unknown(values, hosts, extra, task_vars)
+            mode = str(self._templar.template(task_vars.get("rdma_unknown_variables", "warn")))
+            if unknown and mode == "fail":
+                found += [u.rstrip(".") + " (rdma_unknown_variables=fail)" for u in unknown]
+            elif unknown and mode != "ignore":
+                warnings += [
+                    u + " Fix the name in the inventory or -e (rdma_unknown_variables=fail refuses to run, "
+                    "=ignore silences this)." for u in unknown
+                ]
         done = sorted(set(checked) | set(args.get("roles") or []))
         result.update(changed=False, ansible_facts={"rdma_inventory_checked": done})
+        if warnings:
+            result["warnings"] = warnings
+        local = self._local_states(values, hosts, task_vars)
+        if local:  # the stdout callback names what still runs if the run is interrupted
+            result["rdma_local_state"] = local
+        if self._checkout_config_ignored(task_vars):
+            result.setdefault("warnings", []).append(self._checkout_config_ignored(task_vars))
         if found:
             unique = list(dict.fromkeys(found))
             result.update(
@@ -201,6 +255,51 @@ class ActionModule(ActionBase):
         else:
             result["msg"] = "%d host(s), %d distinct set(s) of values: every typed value is valid" % (len(hosts), len(groups))
         return result
+
+    def _local_states(self, values, hosts, task_vars):
+        """The state files of the local target's processes (rdma_local_plugin's, in <rdma_local_dir>/run as
+        roles/plugin_deploy/vars/main.yml puts them); rdma_deploy_target agrees on every host."""
+        if self._templar.template(task_vars.get("rdma_deploy_target")) != "local":
+            return []
+        mine = self._templar.template(task_vars.get("rdma_local_dir")) if "rdma_local_dir" in task_vars else None
+        dirs = set(str(values.get(h, "rdma_local_dir", None) or mine or "") for h in hosts) if hosts else {str(mine or "")}
+        return sorted(os.path.join(d, "run", STATE_FILE) for d in dirs if d)
+
+    def _unknown(self, values, hosts, extra, task_vars):
+        known = known_variables()
+        manager = self._task.get_variable_manager()
+        where = {}
+        for name in extra:
+            if name.startswith(PREFIXES) and name not in known:
+                where[name] = ["-e"]
+        for host in hosts:
+            facts = set()
+            for cache in ("_fact_cache", "_nonpersistent_fact_cache"):
+                try:
+                    facts.update(getattr(manager, cache)[host] or {})
+                except (AttributeError, KeyError, TypeError):
+                    pass
+            for name in values.raw(host):
+                if name.startswith(PREFIXES) and name not in known and name not in extra and name not in facts:
+                    where.setdefault(name, []).append(host)
+        return unknown_variables(
+            dict((n, "from -e" if w == ["-e"] else "set for " + self._hosts_text(w, len(hosts))) for n, w in where.items()),
+            known,
+        )
+
+    @staticmethod
+    def _checkout_config_ignored(task_vars):
+        """Run from a checkout of the repository without its ansible.cfg (another working directory): the
+        playbooks work (playbooks/roles and playbooks/collections link back), the output settings do not."""
+        config = os.path.join(ROOT, "ansible.cfg")
+        used = task_vars.get("ansible_config_file") or ""
+        if not os.path.isfile(config) or (used and os.path.realpath(used) == os.path.realpath(config)):
+            return ""
+        return (
+            "this checkout's ansible.cfg (%s) is not in effect (%s), so its output and connection settings are not "
+            "either; run from the repository root (cd %s) or export ANSIBLE_CONFIG=%s"
+            % (config, "ansible.cfg in use: %s" % used if used else "no ansible.cfg in use", ROOT, config)
+        )
 
     @staticmethod
     def _hosts_text(host_list, total):

@@ -30,14 +30,18 @@ class ActionModule(ActionBase):
                 values = Hosts(task_vars)
                 host = next((h for h in hosts if values.node_name(h) == node), None)
                 if host is not None:
-                    nics, source = nic_count(values, host, read_report(report_path(report_dir)) if report_dir else {})
+                    nics, source, conflict = nic_count(values, host, read_report(report_path(report_dir)) if report_dir else {})
                     if nics:
                         args["nics"], args["nics_source"] = nics, source
+                    if conflict:
+                        result.setdefault("warnings", []).append(conflict)
                 for name in ("rdma_nic_count", "rdma_nic_validate_expected_nics"):
                     value = self._templar.template(task_vars.get(name)) if args.get("nics") is None else None
                     if value not in (None, ""):
                         args["nics"], args["nics_source"] = int(value), name
-        result.update(
-            self._execute_module(module_name="lingjun.rdma.rdma_mode_switch", module_args=args, task_vars=task_vars)
-        )
+        ran = self._execute_module(module_name="lingjun.rdma.rdma_mode_switch", module_args=args, task_vars=task_vars)
+        warnings = result.get("warnings", []) + list(ran.get("warnings") or [])
+        result.update(ran)
+        if warnings:
+            result["warnings"] = warnings
         return result

@@ -59,6 +59,9 @@ class ActionModule(ActionBase):
             result["not_labelled"] = skipped
             result["validated_true"] = sorted(n for n, ok in verdicts.items() if ok)
             result["validated_false"] = sorted(n for n, ok in verdicts.items() if not ok)
+            if not nodes:  # nothing was validated (every node unreachable): no reason to need the cluster
+                result.update(changed=False, changed_nodes=[], missing=[], unchanged=0)
+                return result
         result.update(
             self._execute_module(module_name="lingjun.rdma.rdma_node_labels", module_args=args, task_vars=task_vars)
         )

@@ -35,7 +35,7 @@ from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import Hos
 
 display = Display()
 
-MODULE_ARGS = ("kubeconfig", "context", "label_selector", "page_size", "resource_name", "mode_label_key")
+MODULE_ARGS = ("kubeconfig", "context", "request_timeout", "label_selector", "page_size", "resource_name", "mode_label_key")
 
 
 class ActionModule(ActionBase):
@@ -76,10 +76,14 @@ class ActionModule(ActionBase):
 
         values = Hosts(task_vars)
         report_nodes = read_report(cluster.report) if cluster.report else {}
-        wants = []
+        wants, conflicts = [], []
         for host in hosts:
-            nics, source = nic_count(values, host, report_nodes)
+            nics, source, conflict = nic_count(values, host, report_nodes)
             wants.append(Want(host, values.node_name(host), nics, source))
+            if conflict:
+                conflicts.append(conflict)
+        if conflicts:
+            result["warnings"] = conflicts[:20] + (["... and %d more hosts" % (len(conflicts) - 20)] if len(conflicts) > 20 else [])
 
         deadline_s = rollout_seconds(len(hosts), max_unavailable, base, per_wave)
         start = time.monotonic()
@@ -92,7 +96,7 @@ class ActionModule(ActionBase):
             )
             polls += 1
             if seen.get("failed"):
-                result.update(failed=True, msg=seen.get("msg", "reading the nodes failed"), polls=polls)
+                result.update(failed=True, msg=failure_text(seen), polls=polls)
                 return result
             requests += int(seen.get("requests", 0))
             nodes = seen.get("nodes") or {}
@@ -148,6 +152,16 @@ class ActionModule(ActionBase):
                if failed else "", "; " + "; ".join(problems) if problems else ""),
         )
         return result
+
+
+def failure_text(seen):
+    """The failed read's own message (module_utils/rdma_k8s names the fix); for a module that crashed,
+    its last line of output too, never a bare "failed"."""
+    msg = str(seen.get("msg") or "").strip()
+    tail = [line for line in str(seen.get("exception") or seen.get("module_stderr") or "").splitlines() if line.strip()]
+    if tail and tail[-1].strip() not in msg:
+        msg = "%s%s" % (msg + ": " if msg else "", tail[-1].strip())
+    return "reading the nodes (lingjun.rdma.rdma_cluster_nodes) failed: %s" % (msg or "no message")
 
 
 def write_verdicts(directory, verdicts):

@@ -16,6 +16,13 @@ options:
     description: Kubeconfig context (C(rdma_kube_context)); empty means the current one.
     type: str
     default: ""
+  request_timeout:
+    description:
+      - Seconds one API request may take, connecting and answering together (C(rdma_kube_request_timeout)).
+        Requests are not retried, so a server that accepts and never answers fails within it.
+      - Connection refused, a TLS mismatch and a timeout fail at once with the server address and the fix.
+    type: float
+    default: 30
 requirements:
   - the kubernetes Python package on the host the module runs on (the controller)
 """

@@ -2,7 +2,10 @@
 """The Kubernetes API as the lingjun.rdma modules use it on the controller (the ``kubernetes`` client).
 
 One place for: the client from ``rdma_kubeconfig``/``rdma_kube_context`` with errors that name
-those variables and the fix; paginated lists (``limit``/``continue``, restarted once on 410
+those variables and the fix, including the transport's (connection refused, TLS, timeouts: urllib3
+raises those as its own exceptions, MaxRetryError around NewConnectionError/SSLError/..., not as
+OSError); a request timeout (``rdma_kube_request_timeout``) and no retries, so that a server
+that accepts and never answers fails within it; paginated lists (``limit``/``continue``, restarted once on 410
 Gone); JSON merge patches; the Eviction subresource. Objects are read as plain JSON
 (``_preload_content=False``): the client's model classes cost milliseconds per Node, which
 is seconds at fleet scale.
@@ -12,8 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import ssl
 
 try:
+    import urllib3
     from kubernetes import client as k8s_client
     from kubernetes import config as k8s_config
     from kubernetes.client.rest import ApiException
@@ -31,10 +37,15 @@ except ImportError as exc:  # the module says what to install
 
 MERGE_PATCH = "application/merge-patch+json"
 
+# Seconds one request may take, connect and answer together (urllib3 Timeout(total=...)); the roles
+# pass rdma_kube_request_timeout (roles/rdma_node_facts/defaults/main.yml, the same number).
+REQUEST_TIMEOUT = 30.0
+
 # The module options every cluster module of the collection takes (argument_spec fragment).
 CONNECTION_ARGS = {
     "kubeconfig": {"type": "str", "default": ""},
     "context": {"type": "str", "default": ""},
+    "request_timeout": {"type": "float", "default": REQUEST_TIMEOUT},
 }
 
 
@@ -51,7 +62,9 @@ def _where(kubeconfig, context):
 
 
 def api_client(kubeconfig="", context=""):
-    """An ApiClient for the cluster of ``kubeconfig`` (empty: $KUBECONFIG, ~/.kube/config, else in-cluster)."""
+    """An ApiClient for the cluster of ``kubeconfig`` (empty: $KUBECONFIG, ~/.kube/config, else in-cluster),
+    without urllib3's retries: its default (3) repeats a read that timed out, so a server that never
+    answers would hold a request for four timeouts; every failure is reported at once instead."""
     if not HAS_KUBERNETES:
         raise K8sError(
             "the kubernetes Python package is not importable on the controller (%s). Fix: install it in the "
@@ -64,25 +77,30 @@ def api_client(kubeconfig="", context=""):
         )
     try:
         default = os.path.expanduser(os.environ.get("KUBECONFIG", "~/.kube/config").split(os.pathsep)[0])
+        cfg = k8s_client.Configuration()
+        cfg.retries = False  # urllib3: raise the first error as it is
         if not kubeconfig and not os.path.isfile(default) and os.environ.get("KUBERNETES_SERVICE_HOST"):
-            cfg = k8s_client.Configuration()
             k8s_config.load_incluster_config(client_configuration=cfg)
-            return k8s_client.ApiClient(cfg)
-        return k8s_config.new_client_from_config(
-            config_file=os.path.expanduser(kubeconfig) if kubeconfig else None, context=context or None
-        )
+        else:
+            k8s_config.load_kube_config(
+                config_file=os.path.expanduser(kubeconfig) if kubeconfig else None, context=context or None,
+                client_configuration=cfg,
+            )
+        return k8s_client.ApiClient(cfg)
     except Exception as exc:  # ConfigException, yaml errors, missing keys: all mean a bad kubeconfig
         raise K8sError(
             "cannot use the kubeconfig: %s. Fix: set rdma_kubeconfig to the kubeconfig of your cluster and "
-            "rdma_kube_context to one of its contexts (%s)." % (" ".join(str(exc).split()) or type(exc).__name__, _where(kubeconfig, context))
+            "rdma_kube_context to one of its contexts (%s)."
+            % (" ".join(str(exc).split()).rstrip(".") or type(exc).__name__, _where(kubeconfig, context))
         )
 
 
 class Cluster(object):
     """Raw-JSON calls through one ApiClient; every failure is a K8sError naming the fix."""
 
-    def __init__(self, kubeconfig="", context=""):
+    def __init__(self, kubeconfig="", context="", request_timeout=REQUEST_TIMEOUT):
         self.kubeconfig, self.context = kubeconfig, context
+        self.timeout = float(request_timeout or REQUEST_TIMEOUT)
         self.api = api_client(kubeconfig, context)
         self.server = self.api.configuration.host
         self.requests = 0
@@ -91,15 +109,48 @@ class Cluster(object):
         self.requests += 1
         headers = {"Accept": "application/json", "Content-Type": content_type}
         try:
-            data = _request(self.api, method, path, list((query or {}).items()), headers, body)
+            data = _request(self.api, method, path, list((query or {}).items()), headers, body, self.timeout)
         except ApiException as exc:
-            raise self._error(exc, method, path)
-        except (OSError, ValueError) as exc:  # urllib3 connection errors (OSError), timeouts, TLS
+            if getattr(exc, "status", 0):
+                raise self._error(exc, method, path)
+            raise self._unreachable(exc)  # the client turns urllib3's SSLError into an ApiException with status 0
+        except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            raise self._unreachable(exc)
+        try:
+            return json.loads(data) if data else {}
+        except ValueError:
             raise K8sError(
-                "cannot reach the Kubernetes API at %s: %s. Fix: check that the cluster is up and that "
-                "rdma_kubeconfig points at it (%s)." % (self.server, _reason(exc), _where(self.kubeconfig, self.context))
+                "%s %s at %s answered with something that is not JSON (%r...): is rdma_kubeconfig's server the "
+                "Kubernetes API? (%s)" % (method, path, self.server, data[:80], _where(self.kubeconfig, self.context))
             )
-        return json.loads(data) if data else {}
+
+    def _unreachable(self, exc):
+        """The transport's failure as what happened and the fix, naming the variables to change."""
+        kind, reason = transport_failure(exc)
+        check = "kubectl %sget --raw /readyz" % "".join(
+            "--%s %s " % (flag, value) for flag, value in (("kubeconfig", self.kubeconfig), ("context", self.context)) if value
+        )
+        where = _where(self.kubeconfig, self.context)
+        if kind == "tls":
+            return K8sError(
+                "the Kubernetes API at %s failed the TLS check: %s. The kubeconfig's certificate-authority does not "
+                "match the server's certificate (another cluster's kubeconfig, or an old one). Fix: set "
+                "rdma_kubeconfig (and rdma_kube_context) to this cluster's own kubeconfig (%s); check with: %s"
+                % (self.server, reason, where, check)
+            )
+        if kind == "timeout":
+            return K8sError(
+                "the Kubernetes API at %s did not answer within rdma_kube_request_timeout=%gs (%s). Fix: check that the "
+                "API server is up and reachable from the controller (%s), or raise rdma_kube_request_timeout; "
+                "rdma_kubeconfig picks the server (%s)." % (self.server, self.timeout, reason, check, where)
+            )
+        what = {"refused": "connection refused (nothing listens there)",
+                "name": "its host name does not resolve"}.get(kind, reason)
+        return K8sError(
+            "cannot reach the Kubernetes API at %s: %s. Fix: start the cluster, or set rdma_kubeconfig (and "
+            "rdma_kube_context) to the kubeconfig of a running cluster (%s); check with: %s"
+            % (self.server, what, where, check)
+        )
 
     def _error(self, exc, method, path):
         status = getattr(exc, "status", 0)
@@ -151,7 +202,7 @@ class Cluster(object):
         return self.call("POST", path, {"dryRun": "All"} if dry_run else None, body)
 
 
-def _request(api, method, path, query, headers, body):
+def _request(api, method, path, query, headers, body, timeout):
     """One request through the client's own auth, TLS and proxy settings; the raw body of a 2xx answer.
     kubernetes >= 32 (openapi-generator 7) splits serialization from the call; older clients do both."""
     if hasattr(api, "param_serialize"):
@@ -159,21 +210,44 @@ def _request(api, method, path, query, headers, body):
             method=method, resource_path=path, query_params=query, header_params=headers, body=body,
             auth_settings=["BearerToken"],
         )
-        resp = api.call_api(method, url, header_params=headers, body=body, post_params=post)
+        resp = api.call_api(method, url, header_params=headers, body=body, post_params=post, _request_timeout=timeout)
         resp.read()
         if not 200 <= resp.status <= 299:
             raise ApiException(http_resp=resp)
         return resp.data
     resp = api.call_api(
         path, method, query_params=query, header_params=headers, body=body, auth_settings=["BearerToken"],
-        _preload_content=False, _return_http_data_only=True,
+        _preload_content=False, _return_http_data_only=True, _request_timeout=timeout,
     )
     return resp.data
 
 
-def _reason(exc):
-    reason = getattr(exc, "reason", None)
-    return str(reason or exc).strip() or type(exc).__name__
+def transport_failure(exc):
+    """(kind, reason) of a failure below HTTP: kind is tls, timeout, refused, name or other; reason the
+    innermost cause's words. urllib3 wraps the cause (MaxRetryError.reason; NewConnectionError from
+    ConnectionRefusedError; SSLError from ssl.SSLCertVerificationError) and the kubernetes client
+    turns an SSLError into ApiException(status=0) (kubernetes/client/rest.py)."""
+    chain = []
+    while exc is not None and exc not in chain and len(chain) < 10:
+        chain.append(exc)
+        reason = getattr(exc, "reason", None)
+        exc = reason if isinstance(reason, BaseException) else (exc.__cause__ or exc.__context__)
+    inner = chain[-1]
+    if isinstance(inner, ssl.SSLCertVerificationError):
+        text = "certificate verify failed: %s" % inner.verify_message
+    else:
+        text = " ".join(str(inner).split()) or type(inner).__name__
+    kinds = (
+        ("tls", (ssl.SSLError, ssl.CertificateError, urllib3.exceptions.SSLError)),
+        ("refused", (ConnectionRefusedError,)),
+        ("name", (socket.gaierror, urllib3.exceptions.NameResolutionError)),
+        ("timeout", (urllib3.exceptions.TimeoutError, socket.timeout)),
+    )
+    for kind, types in kinds:
+        # urllib3's NewConnectionError subclasses ConnectTimeoutError whatever the cause: not a timeout itself
+        if any(isinstance(e, types) and not isinstance(e, urllib3.exceptions.NewConnectionError) for e in chain):
+            return kind, text
+    return "other", text
 
 
 def selector(labels):

@@ -87,7 +87,7 @@ def main():
     )
     p = module.params
     try:
-        cluster = Cluster(p["kubeconfig"], p["context"])
+        cluster = Cluster(p["kubeconfig"], p["context"], p["request_timeout"])
         nodes = cluster.list("/api/v1/nodes", label_selector=p["label_selector"], page_size=p["page_size"])
         daemonsets = []
         if p["daemonset_namespace"]:

@@ -109,7 +109,7 @@ class Switch(object):
         self.p = module.params
         self.node = self.p["node"]
         self.res = self.p["resource_name"]
-        self.cluster = Cluster(self.p["kubeconfig"], self.p["context"])
+        self.cluster = Cluster(self.p["kubeconfig"], self.p["context"], self.p["request_timeout"])
         self.path = "/api/v1/nodes/%s" % self.node
 
     def read(self):

@@ -90,7 +90,7 @@ def main():
     p = module.params
     wanted = p["nodes"]
     try:
-        cluster = Cluster(p["kubeconfig"], p["context"])
+        cluster = Cluster(p["kubeconfig"], p["context"], p["request_timeout"])
         existing = dict((n["metadata"]["name"], n) for n in cluster.list("/api/v1/nodes", page_size=p["page_size"]))
         patches = {}
         for name in sorted(wanted):

@@ -18,14 +18,17 @@ description:
     I(settle) seconds, or a deadline that scales with the fleet passes
     (I(timeout) + I(timeout_per_wave) x the rollout waves of I(max_unavailable)); prints a progress line
     (C(812 of 2000 nodes advertise rdma/hca as expected; rollout ...)) whenever the count changes.
-  - Writes every host's verdict ({ok, msg, final, mode, expected}) to I(verdicts_dir)C(/<host>.json); each
-    node's own task then reads its file and fails with its own message. Never prints a Node object.
+  - Writes every host's verdict ({ok, msg, final, mode, expected}) to a file C(<host>.json) in I(verdicts_dir);
+    each node's own task then reads its file and fails with its own message. Never prints a Node object.
+  - A cluster that cannot be reached (connection refused, TLS mismatch, no answer within I(request_timeout))
+    fails the task at once with the message of the read, naming C(rdma_kubeconfig), the server and the fix.
 version_added: "0.3.0"
 author: rdma-device-plugin maintainers
 options:
   hosts: {description: Inventory hosts of the nodes (the node group)., type: list, elements: str, required: true}
   kubeconfig: {description: C(rdma_kubeconfig)., type: str, default: ""}
   context: {description: C(rdma_kube_context)., type: str, default: ""}
+  request_timeout: {description: Seconds one API request may take (C(rdma_kube_request_timeout)); not retried., type: float, default: 30}
   label_selector: {description: Label selector of the node list; empty lists every node., type: str, default: ""}
   page_size: {description: Items per page., type: int, default: 500}
   resource_name: {description: The extended resource., type: str, default: rdma/hca}

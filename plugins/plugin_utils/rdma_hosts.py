@@ -74,19 +74,30 @@ def read_report(path):
 
 
 def nic_count(hosts, host, report_nodes):
-    """The host's NIC count for the exclusive shape, and where it comes from: this run's validation facts,
-    else the inventory's last validation report, else rdma_nic_count, else rdma_nic_validate_expected_nics."""
+    """The host's NIC count for the exclusive shape, where it comes from, and a conflict ('' when none):
+    this run's validation facts, else the inventory's last validation report, else rdma_nic_count, else
+    rdma_nic_validate_expected_nics. A counted node wins over rdma_nic_count (it is what the plugin
+    advertises); an rdma_nic_count that says otherwise is reported, not silently dropped."""
+    counted, source = None, ""
     fact = hosts.get(host, "rdma_validation", None)
-    if isinstance(fact, dict) and fact.get("validated") and (fact.get("summary") or {}).get("nic_count"):
-        return int(fact["summary"]["nic_count"]), "validated in this run"
     entry = report_nodes.get(host) or {}
-    if entry.get("validated") and (entry.get("summary") or {}).get("nic_count"):
-        return int(entry["summary"]["nic_count"]), "validated on %s" % entry.get("validated_on", "?")
+    if isinstance(fact, dict) and fact.get("validated") and (fact.get("summary") or {}).get("nic_count"):
+        counted, source = int(fact["summary"]["nic_count"]), "validated in this run"
+    elif entry.get("validated") and (entry.get("summary") or {}).get("nic_count"):
+        counted, source = int(entry["summary"]["nic_count"]), "validated on %s" % entry.get("validated_on", "?")
+    given = hosts.get(host, "rdma_nic_count", None)
+    if counted is not None:
+        if given not in (None, "", MISSING) and int(given) != counted:
+            return counted, source, (
+                "rdma_nic_count=%s for %s, but its node has %d NICs (%s): %d is expected. Fix rdma_nic_count or "
+                "remove it (the validation counts the NICs)" % (given, host, counted, source, counted)
+            )
+        return counted, source, ""
     for name in ("rdma_nic_count", "rdma_nic_validate_expected_nics"):
         value = hosts.get(host, name, None)
         if value not in (None, "", MISSING):
-            return int(value), name
-    return None, ""
+            return int(value), name, ""
+    return None, "", ""
 
 
 def report_path(report_dir):

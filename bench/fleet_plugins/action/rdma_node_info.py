@@ -8,7 +8,8 @@ without a module process per host; the templating of the task's arguments, the r
 processing on the controller (register, facts) and every other task of the play stay real.
 Enabled only by bench/fleet.py's shadow of the lingjun.rdma collection (``fake_collection``: the
 repository's collection with this file as plugins/action/rdma_node_info.py, first on
-ANSIBLE_COLLECTIONS_PATH): an action plugin named like a module replaces the module's action
+ANSIBLE_COLLECTIONS_PATH and the collections/ beside the playbooks it runs): an action plugin named
+like a module replaces the module's action
 (ansible-core lib/ansible/executor/task_executor.py, TaskExecutor._get_action_handler_with_module_context).
 """
 
