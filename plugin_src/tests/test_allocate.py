@@ -125,3 +125,35 @@ def test_a_relist_that_finds_the_same_nics_keeps_the_answer(  # type: ignore[no-
         allocate("hca-2")
     assert len(answers(caplog, logging.INFO, "Allocate answer")) == 4
     assert len(server._servicer._responses) == 1
+
+
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+def test_a_relist_between_the_answer_and_its_caching_never_keeps_the_old_nics(  # type: ignore[no-untyped-def]
+    serve, node: fixtures.FixtureNode, mode: str
+) -> None:
+    """Issue 30: the pool hands out an answer, and a re-list changes the NICs (bond_0 renamed by
+    a LAG re-formation) before the gRPC layer caches that answer: the interleaving is forced here.
+    The old answer may go to the call that asked before the re-list, never to a later one."""
+    pool, allocate, _ = serve(f"mode: {mode}")
+    ids = ("hca-0",) if mode == "shared" else (SPEC0.pci_address,)
+    before, after = (
+        ("mlx5_bond_0,mlx5_bond_1,mlx5_bond_2,mlx5_bond_3", "mlx5_bond_1,mlx5_bond_2,mlx5_bond_3,rocep31s0")
+        if mode == "shared"
+        else ("mlx5_bond_0", "rocep31s0")
+    )
+    original = pool.allocate
+    relisted = False
+
+    def allocate_then_relist(device_ids: Any) -> Any:
+        nonlocal relisted
+        answer = original(device_ids)
+        if not relisted:  # once: between the pool's answer and the servicer's cache
+            relisted = True
+            rename_bond0(node, pool)
+        return answer
+
+    pool.allocate = allocate_then_relist  # type: ignore[method-assign]
+    assert allocate(*ids)["RDMA_DEVICES"] == before  # asked before the re-list: the NICs then
+    assert relisted
+    for _ in range(3):
+        assert allocate(*ids)["RDMA_DEVICES"] == after

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from . import cdi, nccl_env, netchecks
 from .config import PluginConfig, ResourceConfig
@@ -62,6 +62,9 @@ class ContainerAllocation:
     envs: dict[str, str]
     nics: tuple[str, ...]  # RDMA device names handed out
     cdi_devices: tuple[str, ...] = ()  # fully-qualified CDI names (cdi.enabled); then devices is empty
+    # The pool's allocations_version it was built under: whoever caches something made from it
+    # keys it by this, read with the answer (never after: a re-list may have come in between).
+    generation: int = field(default=0, compare=False)
 
 
 def _has_uverbs(nic: Nic) -> bool:
@@ -425,8 +428,9 @@ class ResourcePool:
         envs = self._pod_env(names, nccl_env.workload_env(self._facts_of(nics), self.env_settings).env)
         if self.cdi_kind is not None:
             group = cdi.numa_group(nics) if self.spec.kind == LOCAL else None
-            return ContainerAllocation((), envs, names, cdi.allocation_devices(self.cdi_kind, self.mode, nics, group))
-        return ContainerAllocation(tuple(specs), envs, names)
+            devices = cdi.allocation_devices(self.cdi_kind, self.mode, nics, group)
+            return ContainerAllocation((), envs, names, devices, self.allocations_version)
+        return ContainerAllocation(tuple(specs), envs, names, generation=self.allocations_version)
 
     def _pod_env(self, names: tuple[str, ...], computed: dict[str, str]) -> dict[str, str]:
         """A container's env, low to high: computed (workloadEnv), non-hostNetwork defaults, the

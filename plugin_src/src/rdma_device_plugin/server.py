@@ -225,7 +225,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         self._expect_kubelet = False  # the next stream is the kubelet's (Register was sent)
         self._kubelet_stream: object | None = None  # the kubelet's open stream
         # The AllocateResponse of each answer (pool.allocation_key per container), built once and
-        # reused until the pool drops its allocations (allocations_version). Read-only once built.
+        # reused until an answer of a newer NIC set comes (ContainerAllocation.generation). Read-only once built.
         self._responses: dict[tuple[tuple[str, ...], ...], Any] = {}
         self._responses_version = pool.allocations_version
 
@@ -242,17 +242,22 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
 
     def _response(self, requests: Sequence[Sequence[str]]) -> Any:
         allocs = [self.pool.allocate(ids) for ids in requests]  # validates the IDs every time
-        if self._responses_version != self.pool.allocations_version:
+        # The answers say which NIC set they were built from: the cache follows them, not the pool
+        # (a re-list after pool.allocate returned must not file the old NICs under the new set).
+        generation = allocs[0].generation
+        cacheable = all(a.generation == generation for a in allocs) and generation >= self._responses_version
+        if cacheable and generation > self._responses_version:
             self._responses.clear()
-            self._responses_version = self.pool.allocations_version
+            self._responses_version = generation
         key = tuple(self.pool.allocation_key(ids) for ids in requests)
-        response = self._responses.get(key)
+        response = self._responses.get(key) if cacheable else None
         if response is not None:
             return response
         if len(self._responses) >= 4096:  # bounded: a node has a handful of NICs
             self._responses.clear()
         response = pb.AllocateResponse(container_responses=[allocation_message(a) for a in allocs])
-        self._responses[key] = response
+        if cacheable:
+            self._responses[key] = response
         # Once per new answer, not per call (the kubelet logs every allocation itself; a log line
         # per call cost more than building the answer, issue 11): what this resource hands out now.
         LOG.info(
