@@ -11,16 +11,27 @@ which records capacity and allocatable every 2 ms (``record_start``/``record_sto
   the new one registered (a CPU-throttled pod), then continues (SIGCONT) and gets SIGTERM.
 
 Per handover the figure is the longest stretch with allocatable 0 from the new instance's start to
-0.3 s after the old one exited. Run from the repository root:
+0.3 s after the old one exited.
 
-    .venv/bin/python bench/bench_handover.py            # 20 plain + 20 slow handovers
-    .venv/bin/python bench/bench_handover.py --runs 5   # quicker
+- race (issue 30): two instances started 0-50 ms apart, one of them (or neither) stalled for 0-3 s
+  early on, the one started first gets SIGTERM once the pair settled; each trial with a kubelet of
+  its own (rdma_device_plugin.kubesim.handover, which the tests run a few times). Figures: the
+  total time allocatable was below its count after first reaching it, the time from the SIGTERM
+  until it was back at the count for good, and the trials that failed (not back within 1 s, or a
+  pod not admitted at the end).
+
+Run from the repository root:
+
+    .venv/bin/python bench/bench_handover.py            # 20 plain + 20 slow handovers, 100 race trials
+    .venv/bin/python bench/bench_handover.py --runs 5 --trials 10   # quicker
+    .venv/bin/python bench/bench_handover.py --only race
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -29,6 +40,7 @@ import tempfile
 import time
 from typing import Any
 
+from rdma_device_plugin.kubesim.handover import Plan, Trial, race_trial
 from rdma_device_plugin.kubesim.real import RealKubelet, find_binary, longest_zero_window
 from rdma_device_plugin.node import fixtures
 from report import load_average, pct
@@ -84,13 +96,56 @@ def handover(kubelet: RealKubelet, instances: Instances, old: subprocess.Popen[b
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--runs", type=int, default=20, help="handovers of each kind (default 20)")
+    parser.add_argument("--runs", type=int, default=20, help="plain and slow handovers of each kind (default 20)")
+    parser.add_argument("--trials", type=int, default=100, help="race trials (default 100)")
+    parser.add_argument("--seed", type=int, default=30, help="of the race trials' faults (default 30)")
+    parser.add_argument("--only", choices=["handover", "race"], help="one part only")
     args = parser.parse_args(argv)
     binary, why = find_binary()
     if binary is None:
         print(f"skipped: {why}", file=sys.stderr)
         return 2
     print(f"load average at start: {load_average()}", flush=True)
+    if args.only != "race":
+        plain_and_slow(binary, args.runs)
+    if args.only != "handover":
+        race(binary, args.trials, args.seed)
+    print(f"\nload average at the end: {load_average()}")
+    return 0
+
+
+def race(binary: str, trials: int, seed: int) -> None:
+    rng = random.Random(seed)
+    tmp = tempfile.mkdtemp(prefix="rdpr-", dir="/tmp")
+    node = fixtures.write_node(os.path.join(tmp, "node"), fixtures.lingjun_node(nics=4))
+    done: list[Trial] = []
+    try:
+        for i in range(trials):
+            trial = race_trial(binary, node, tmp, Plan.draw(rng), name=f"t{i}")
+            done.append(trial)
+            verdict = "ok" if trial.ok else f"FAILED (logs kept: {' '.join(trial.logs)})"
+            print(f"race {i + 1}/{trials}: {trial.plan}: below {trial.below_ms} ms, back {trial.back_ms} ms, {verdict}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            if trial.ok:
+                for log in trial.logs:
+                    os.unlink(log)
+    finally:
+        if all(t.ok for t in done):
+            shutil.rmtree(tmp, ignore_errors=True)
+    below = [t.below_ms for t in done]
+    back = [t.back_ms if t.back_ms is not None else float("inf") for t in done]
+    print()
+    print("### Handover race: two instances 0-50 ms apart, stalls of 0-3 s, the first started exits (ms)")
+    print()
+    print("| what | runs | p50 | p99 | max | failed |")
+    print("|---|---|---|---|---|---|")
+    failed = sum(not t.ok for t in done)
+    for what, values in (("below the count, total", below), ("SIGTERM -> back at the count", back)):
+        figures = " | ".join(f"{v:.1f}" for v in (pct(values, 50), pct(values, 99), max(values)))
+        print(f"| {what} | {len(done)} | {figures} | {failed} |")
+
+
+def plain_and_slow(binary: str, runs: int) -> None:
     tmp = tempfile.mkdtemp(prefix="rdph-", dir="/tmp")
     node = fixtures.write_node(os.path.join(tmp, "node"), fixtures.lingjun_node(nics=4))
     dp = os.path.join(tmp, "dp")
@@ -102,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         if not kubelet.wait_registered(RES, timeout=60):
             raise RuntimeError("the first instance did not register")
         for kind in ("plain", "slow"):
-            for i in range(args.runs):
+            for i in range(runs):
                 gap, current = handover(kubelet, instances, current, slow=kind == "slow")
                 figures[kind].append(gap)
-                print(f"{kind} {i + 1}/{args.runs}: longest allocatable 0 = {gap:.1f} ms", file=sys.stderr, flush=True)
+                print(f"{kind} {i + 1}/{runs}: longest allocatable 0 = {gap:.1f} ms", file=sys.stderr, flush=True)
     finally:
         if current.poll() is None:
             current.terminate()
@@ -119,8 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for kind, values in figures.items():
         print(f"| {kind} | {len(values)} | {pct(values, 50):.1f} | {pct(values, 99):.1f} | {max(values):.1f} |")
-    print(f"\nload average at the end: {load_average()}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def kubelet(request: pytest.FixtureRequest, dp_dir: Path, short_tmp: Path) -> It
 
 def plugin_socket(dp_dir: Path, resource: str = "rdma/hca") -> Path:
     """The socket the newest plugin instance serves for ``resource`` (names: rdma_device_plugin.sockets)."""
-    found = sockets.instances(str(dp_dir), resource)
+    found = [s for s in sockets.instances(str(dp_dir), resource) if not s.retiring]
     assert found, f"no socket of {resource} in {dp_dir}: {sorted(os.listdir(dp_dir))}"
     return dp_dir / found[-1].name
 

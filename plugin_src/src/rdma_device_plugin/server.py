@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -37,6 +38,7 @@ from typing import Any
 
 import grpc
 
+from . import sockets
 from .affinity import NodeAffinity
 from .api import deviceplugin_pb2 as pb
 from .api import deviceplugin_pb2_grpc as pb_grpc
@@ -222,8 +224,12 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         self.on_stream = on_stream  # "kubelet opened", "kubelet ended", "other ended"
         self.stopping = False
         self.streams = 0  # open ListAndWatch streams, the kubelet's and others'
+        self.ended = asyncio.Event()  # set when stopping and no stream is open any more
         self._expect_kubelet = False  # the next stream is the kubelet's (Register was sent)
         self._kubelet_stream: object | None = None  # the kubelet's open stream
+        # Wall time of the last call the kubelet makes only on the endpoint it holds for the resource
+        # (Allocate, GetPreferredAllocation): proof that this registration is the kubelet's.
+        self.kubelet_called_at: float | None = None
         # The AllocateResponse of each answer (pool.allocation_key per container), built once and
         # reused until an answer of a newer NIC set comes (ContainerAllocation.generation). Read-only once built.
         self._responses: dict[tuple[tuple[str, ...], ...], Any] = {}
@@ -302,6 +308,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
                 yield data
         finally:
             self.streams -= 1
+            if self.stopping and not self.streams:
+                self.ended.set()
             ours = self._kubelet_stream is me
             if ours:
                 self._kubelet_stream = None
@@ -319,6 +327,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
 
     async def Allocate(self, request: Any, context: Any) -> Any:
         start = time.perf_counter()
+        self.kubelet_called_at = time.time()
         try:
             response = self._response([list(creq.devices_ids) for creq in request.container_requests])
         except AllocationError as exc:
@@ -331,6 +340,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         return response
 
     async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+        self.kubelet_called_at = time.time()
         response = pb.PreferredAllocationResponse()
         for creq in request.container_requests:
             ids = self.pool.preferred(
@@ -416,11 +426,15 @@ class PluginServer:
             server = _Loop.run(start())
         except RuntimeError as exc:  # grpc: "Failed to bind to address ..." (read-only or vanished dir)
             raise OSError(f"cannot bind a unix socket in {self.dir}: {exc}") from None
-        try:
-            self._inode = os.lstat(self.path).st_ino
-        except OSError:
+        # A newer instance may have renamed it to <name>.retiring already (taking over): still ours
+        # (a name is used once), and present() then says it is gone.
+        for path in (self.path, self.path + sockets.RETIRING):
+            with contextlib.suppress(FileNotFoundError):
+                self._inode = os.lstat(path).st_ino
+                break
+        else:
             _Loop.run(server.stop(0))
-            raise
+            raise OSError(f"{self.path} vanished as it was bound")
         self.pool.add_listener(wake.notify)  # after the feed's: the message is encoded when streams wake
         self._server, self._servicer = server, servicer
         LOG.info("serving", extra={"resource": self.pool.name, "socket": self.path})
@@ -439,22 +453,42 @@ class PluginServer:
     def kubelet_stream_open(self) -> bool:
         return self._servicer is not None and self._servicer.kubelet_stream_open
 
+    @property
+    def kubelet_called_at(self) -> float | None:
+        return self._servicer.kubelet_called_at if self._servicer is not None else None
+
     async def stop_async(self, grace: float = 0.5) -> None:
-        """Stop serving (on the loop): streams end, the socket file goes."""
+        """Stop serving (on the loop): the file is renamed <name>.retiring (other instances wait for
+        our streams' ends), the streams end, then the file goes."""
         server, self._server = self._server, None
         servicer, self._servicer = self._servicer, None
         if server is None:
             return
+        with contextlib.suppress(OSError):
+            if os.lstat(self.path).st_ino == self._inode:
+                os.rename(self.path, self.path + sockets.RETIRING)
         if servicer is not None:
             servicer.stopping = True
             self.pool.remove_listener(servicer.wake.notify)
-            servicer.wake.notify()  # wake its streams so they end
+            if servicer.streams:
+                servicer.wake.notify()  # wake its streams so they end
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(servicer.ended.wait(), grace)
+        # Our streams are over: the file goes now, not after the server's shutdown, as it tells the
+        # instance that stays to register again (:mod:`.registration`).
+        self._unlink()
         await server.stop(grace)
-        try:
-            if os.lstat(self.path).st_ino == self._inode:
-                os.unlink(self.path)  # grpc normally has; never a file that is not ours
-        except FileNotFoundError:
-            pass
+        self._unlink()
+
+    def _unlink(self) -> None:
+        """Our file, under the name we served or renamed by a newer instance that took over: never a
+        file that is not ours."""
+        for path in (self.path, self.path + sockets.RETIRING):
+            try:
+                if os.lstat(path).st_ino == self._inode:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def stop(self, grace: float = 0.5) -> None:
         _Loop.run(self.stop_async(grace), timeout=grace + 10.0)

@@ -30,7 +30,7 @@ from types import FrameType
 from . import cdi, events, netchecks, nfd, numa_pools, sockets
 from .config import ConfigError, PluginConfig, load_config, socket_path_problems
 from .discovery import Discovery
-from .kubeletapi import KUBELET_SOCKET
+from .kubeletapi import CHECKPOINT, KUBELET_SOCKET
 from .node import sysfs
 from .registration import Registration
 from .resources import build_pools
@@ -63,6 +63,7 @@ class Supervisor:
         config_path: str | None = None,
         verbs: VerbsProbe | None = None,
         health_file: str | None = None,
+        lock: sockets.InstanceLock | None = None,
     ) -> None:
         problems = socket_path_problems(config, device_plugin_dir)
         if problems:
@@ -116,6 +117,7 @@ class Supervisor:
         self._sources: dict[int, events.DirWatch | events.LinkEvents] = {}
         self._coverage_said: tuple[bool, events.LinkCoverage] | None = None
         self._kubelet_sock = os.path.join(device_plugin_dir, KUBELET_SOCKET)
+        self.lock = lock or sockets.InstanceLock(device_plugin_dir)
         self.hooks.supervising(self.live_status)
 
     @staticmethod
@@ -168,6 +170,7 @@ class Supervisor:
             if slow:
                 next_slow = now + SLOW_SECONDS
                 self._supervised("event sources", self._keep_watching)
+                self._supervised("instance lock", self._hold_lock)
                 self._supervised("health probe", self._check_devices)
                 self._supervised("config watch", self._watch_config)
                 watch_due = True
@@ -444,7 +447,7 @@ class Supervisor:
                 LOG.info("kubelet.sock re-created: kubelet restarted; registering every resource again")
                 self.hooks.kubelet_restarted()
                 for registration in self.registrations:
-                    registration.kubelet_restarted(kubelet[1])
+                    registration.kubelet_restarted()
             self._kubelet_id = kubelet
         while True:
             try:
@@ -455,6 +458,9 @@ class Supervisor:
         now = time.monotonic()  # after the events: a retry they scheduled "now" is due in this pass
         for registration in self.registrations:
             registration.step(now, self._kubelet_present, slow)
+        if self._dir_watch is not None:  # the kubelet's checkpoint matters while a takeover waits for it
+            awaiting = any(r.awaiting_takeover for r in self.registrations)
+            self._dir_watch.names = frozenset([KUBELET_SOCKET, CHECKPOINT] if awaiting else [KUBELET_SOCKET])
 
     def _write_health(self) -> None:
         if not self.health_file:
@@ -483,7 +489,24 @@ class Supervisor:
         }
         write_health(self.health_file, doc)
 
+    def _hold_lock(self) -> None:
+        """Hold this instance's lock (sockets.InstanceLock); again after the dir was re-created."""
+        if self.lock.held:
+            return
+        try:
+            self.lock.acquire()
+        except OSError as exc:
+            self.once.problem(
+                "instance lock",
+                "cannot hold the instance lock %s (%s); other instances judge this one by its sockets",
+                self.lock.path,
+                exc,
+            )
+        else:
+            self.once.cleared("instance lock", f"holding the instance lock {self.lock.path}")
+
     def run(self) -> None:
+        self._hold_lock()  # serve() took it already, before anything else
         nics = self.discovery.full()
         overlap = self.discovery.exclusive_overlaps(nics)
         if overlap:
@@ -506,8 +529,9 @@ class Supervisor:
         try:
             self._loop()
         finally:
+            self.lock.release()  # first: the sockets that go next then say that this instance is ending
             stopped = [r.stop() for r in self.registrations]
-            servers = [server for server, _ in stopped if server is not None]
+            servers = [server for found, _ in stopped for server in found]
             stopping = [f for _, futures in stopped for f in futures]
             for pool in self.pools:
                 pool.close()
@@ -525,6 +549,18 @@ class Supervisor:
 
 
 def serve(args: argparse.Namespace) -> int:
+    # First of all, before the config is even read: an older instance on the node no longer
+    # registers once this lock exists (registration.py). Failing, the supervisor says so and retries.
+    lock = sockets.InstanceLock(args.device_plugin_dir)
+    with contextlib.suppress(OSError):
+        lock.acquire()
+    try:
+        return _serve(args, lock)
+    finally:
+        lock.release()
+
+
+def _serve(args: argparse.Namespace, lock: sockets.InstanceLock) -> int:
     config = load_config(args.config)
     hooks: Hooks | None = None
     metrics_address = args.metrics_address
@@ -558,6 +594,7 @@ def serve(args: argparse.Namespace) -> int:
         config_path=args.config,
         verbs=verbs,
         health_file=args.health_file or None,
+        lock=lock,
     )
 
     if args.nfd_features_file:

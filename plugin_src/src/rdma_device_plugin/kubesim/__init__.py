@@ -10,6 +10,7 @@ Both offer the methods the tests use on either: ``start``, ``stop``, ``restart``
 ``record_start``/``record_stop``.
 """
 
-from .kubelet import CHECKPOINT, Allocation, AllocationFailed, Endpoint, KubeletSimulator
+from ..kubeletapi import CHECKPOINT
+from .kubelet import Allocation, AllocationFailed, Endpoint, KubeletSimulator
 
 __all__ = ["CHECKPOINT", "Allocation", "AllocationFailed", "Endpoint", "KubeletSimulator"]
