@@ -134,6 +134,11 @@ class _StateCollector(Collector):
         for name, last in sorted(status.loops.items()):
             loops.add_metric([name], last)
         yield loops
+        failing = GaugeMetricFamily(
+            "rdma_dp_probe_failing", "1 while the health probe fails (from its first failed run to its next success)"
+        )
+        failing.add_metric([], 1 if status.probe_failing else 0)
+        yield failing
 
 
 class MetricsHooks(Hooks):
@@ -170,6 +175,9 @@ class MetricsHooks(Hooks):
             ["resource"],
             registry=self.registry,
         )
+        self.probe_failures = Counter(
+            "rdma_dp_probe_failures", "Runs of the health probe that failed (raised)", registry=self.registry
+        )
         self.registry.register(_StateCollector(self))
         # (resource, ok) -> its counter and histogram children: labels() takes a lock and builds
         # a key at each call, and allocated() runs on the gRPC loop at every Allocate.
@@ -196,6 +204,9 @@ class MetricsHooks(Hooks):
 
     def stream_ended(self, resource: str) -> None:
         self.stream_ends.labels(resource).inc()
+
+    def probe_failed(self) -> None:
+        self.probe_failures.inc()
 
     def nics_found(self, nics: Sequence[Nic]) -> None:
         with self.lock:

@@ -129,6 +129,7 @@ class ResourcePool:
         self._facts: dict[str, NicFacts] = {}  # by identity: each present NIC's GID facts (nccl_env)
         self._env: tuple[tuple[str, WorkloadEnv], ...] = ()  # (scope, env) of the pool's NICs: status, metrics
         self._said = LogOnce(LOG)  # a variable left unset: said once while it stays so
+        self._probe_failure: str | None = None  # why no port can be vouched for (the probe keeps failing)
 
     # ------------------------------------------------------------------ inputs
 
@@ -248,6 +249,14 @@ class ResourcePool:
         effect = f"{self.name} {state} (policy {self.policy})" if state else f"{self.name} devices updated"
         return [f"{line}: {effect}" for line in out]
 
+    def set_probe_failure(self, reason: str | None) -> bool:
+        """The health probe has failed for too long (``reason``): every device is Unhealthy until
+        it works again (None)."""
+        with self._lock:
+            self._probe_failure = reason
+            changed = self._recompute()
+        return self._notify(changed)
+
     def health_state(self) -> dict[str, NicHealth]:
         with self._lock:
             return dict(self._health)
@@ -275,7 +284,7 @@ class ResourcePool:
 
     def _usable(self, key: str) -> bool:
         health = self._health.get(key)
-        return key in self._nics and health is not None and health.healthy
+        return self._probe_failure is None and key in self._nics and health is not None and health.healthy
 
     def _recompute(self) -> bool:
         """Derive the device list (under the lock); True when it changed."""
@@ -353,7 +362,7 @@ class ResourcePool:
                         "present": key in self._nics,
                         "ports": list(health.ports),
                         "healthy": self._usable(key),
-                        "why": health.why,
+                        "why": self._probe_failure or health.why,
                         "numa_node": nic.numa_node,
                         "gid": self._gid_shown(key),
                     }

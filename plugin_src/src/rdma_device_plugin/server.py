@@ -78,6 +78,7 @@ class LiveStatus:
     """What the supervisor shows the metrics at scrape time."""
 
     loops: Mapping[str, float]  # loop name -> wall time it last completed
+    probe_failing: bool  # the health probe's last run failed
     registered: frozenset[str]  # resources registered with the current kubelet
     kubelet_streams: frozenset[str]  # resources whose kubelet ListAndWatch stream is open
 
@@ -104,6 +105,9 @@ class Hooks:
 
     def stream_ended(self, resource: str) -> None:
         """The kubelet's ListAndWatch stream of ``resource`` ended while serving."""
+
+    def probe_failed(self) -> None:
+        """A run of the health probe failed (raised)."""
 
     def supervising(self, status: Callable[[], LiveStatus]) -> None: ...
 

@@ -144,6 +144,8 @@ class StatusFileHooks(Hooks):
     def pools_ready(self, pools: Sequence[ResourcePool]) -> None:
         self.inner.pools_ready(pools)
         self.pools = pools
+        for pool in pools:  # any change of devices or health (a probe failing too long, a hold-down)
+            pool.add_listener(self._wake.set)
         self._wake.set()
 
     def affinity_found(self, node: NodeAffinity) -> None:
@@ -157,6 +159,10 @@ class StatusFileHooks(Hooks):
 
     def stream_ended(self, resource: str) -> None:
         self.inner.stream_ended(resource)
+
+    def probe_failed(self) -> None:
+        self.inner.probe_failed()
+        self._wake.set()
 
     def supervising(self, status: Callable[[], LiveStatus]) -> None:
         self.inner.supervising(status)

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 
 from . import cdi, events, netchecks, nfd, numa_pools, sockets
@@ -48,6 +49,17 @@ FOLLOW_UP_SECONDS = 2.0  # after a link event, probe fast: a driver may update t
 # the loops' max_age (10 s) that `healthcheck` allows, so a live plugin never looks stale.
 HEALTH_WRITE_SECONDS = 3.0
 STOP_GRACE_SECONDS = 0.5  # open streams get this long to end at exit (all servers together)
+PORT_PROBE = "port probe"  # the two steps of the health probe (failures are counted per step)
+DEVICE_CHECK = "device check"
+
+
+@dataclass
+class ProbeEpisode:
+    """A probe step failing since ``since`` (monotonic), ``failures`` runs in a row."""
+
+    since: float
+    failures: int = 0
+    error: str = ""
 
 
 class Supervisor:
@@ -102,6 +114,8 @@ class Supervisor:
         ]
         self._kubelet_id: tuple[int, int] | None = None
         self.heartbeats: dict[str, float] = {}  # loop step name -> wall time it last completed
+        self._probe_episodes: dict[str, ProbeEpisode] = {}  # the probe steps failing now
+        self._probe_blocked: str | None = None  # why every resource is Unhealthy (the probe failed too long)
         self._health_written = 0.0
         self._health_said = -1
         # The loop sleeps in poll(): a write to this pipe ends the sleep (stop, gRPC event).
@@ -137,6 +151,7 @@ class Supervisor:
     def live_status(self) -> LiveStatus:
         return LiveStatus(
             loops=dict(self.heartbeats),
+            probe_failing=bool(self._probe_episodes),
             registered=frozenset(r.name for r in self.registrations if r.registered),
             kubelet_streams=frozenset(r.name for r in self.registrations if r.kubelet_stream_open),
         )
@@ -171,15 +186,14 @@ class Supervisor:
                 next_slow = now + SLOW_SECONDS
                 self._supervised("event sources", self._keep_watching)
                 self._supervised("instance lock", self._hold_lock)
-                self._supervised("health probe", self._check_devices)
+                self._probe_run(DEVICE_CHECK, self._check_devices)
                 self._supervised("config watch", self._watch_config)
                 watch_due = True
             covered = self._links is not None and self.discovery.coverage.complete
             period = relaxed if covered and now >= follow_until else fast
             if soon >= next_probe:
                 next_probe = now + period
-                self._supervised("health probe", self._probe)
-                self.heartbeats["probe"] = time.time()  # a pass completed (a failed step is logged)
+                self._probe_run(PORT_PROBE, self._probe)
             watch_at = self._next_watch()
             if watch_due or soon >= watch_at:
                 watch_due = False
@@ -194,9 +208,9 @@ class Supervisor:
             # The idle fast path: while only probes fall due, sleep and re-read the port states with
             # as little Python as possible: in a pod network this runs 10 times a second (issue 15).
             # Anything else (a change, a failed read, a notification) goes back to the full pass.
-            while not woke and next_probe + period < other - COALESCE_SECONDS and self.discovery.unchanged():
+            while not woke and next_probe + period < other - COALESCE_SECONDS and self._unchanged():
                 next_probe = time.monotonic() + period
-                self.heartbeats["probe"] = time.time()
+                self.heartbeats["probe"] = time.time()  # a probe that succeeded: the port states are read
                 woke = self._wait(next_probe - time.monotonic())
             for ready in woke:
                 if ready is self._dir_watch:
@@ -261,6 +275,70 @@ class Supervisor:
         if self._dir_watch is None:
             return self._watched_at + WATCH_SECONDS
         return min((r.next_due(self._kubelet_present) for r in self.registrations), default=float("inf"))
+
+    def _unchanged(self) -> bool:
+        """The idle fast probe; a failing one goes back to the full probe, which counts the failure."""
+        try:
+            return self.discovery.unchanged()
+        except Exception:
+            return False
+
+    def probe_bound(self) -> float:
+        """How long the probe may go without a success: the liveness file's max age for the probe loop,
+        and how long failures last before every resource turns Unhealthy."""
+        health = self.config.health
+        return max(10.0, 5 * max(health.interval_seconds, health.link_events_interval_seconds))
+
+    def _probe_run(self, what: str, step: Callable[[], None]) -> None:
+        """A probe run: ``port probe`` (the port states) or ``device check`` (the device list and its
+        re-list). A failure is a failure: it is counted (metrics), logged once per episode, the probe's
+        heartbeat moves only when the port probe succeeds, and after ``probe_bound`` seconds of
+        failing every resource turns Unhealthy: the plugin cannot vouch for ports it cannot read
+        (and liveness fails, its heartbeat being that old)."""
+        try:
+            step()
+        except Exception as exc:
+            self._probe_failed(what, exc)
+        else:
+            self._probe_succeeded(what)
+
+    def _probe_failed(self, what: str, exc: Exception) -> None:
+        now = time.monotonic()
+        self.hooks.probe_failed()
+        episode = self._probe_episodes.setdefault(what, ProbeEpisode(now))
+        episode.failures += 1
+        episode.error = f"{type(exc).__name__}: {exc}"
+        if episode.failures == 1:
+            LOG.error(
+                "%s failed (%s); retried at every probe; failing for %g s, every resource turns Unhealthy and "
+                "liveness fails",
+                what,
+                episode.error,
+                self.probe_bound(),
+            )
+        LOG.debug("%s failed", what, exc_info=True)
+        if self._probe_blocked is None and now - episode.since >= self.probe_bound():
+            self._probe_blocked = f"the {what} has failed for {now - episode.since:.0f} s ({episode.error})"
+            LOG.error("%s: every resource is Unhealthy until it works again", self._probe_blocked)
+            for pool in self.pools:
+                pool.set_probe_failure(self._probe_blocked)
+
+    def _probe_succeeded(self, what: str) -> None:
+        if what == PORT_PROBE:
+            self.heartbeats["probe"] = time.time()
+        episode = self._probe_episodes.pop(what, None)
+        if episode is None:
+            return
+        LOG.info(
+            "%s works again after %d failed runs in %.1f s",
+            what,
+            episode.failures,
+            time.monotonic() - episode.since,
+        )
+        if self._probe_blocked is not None and not self._probe_episodes:
+            self._probe_blocked = None
+            for pool in self.pools:
+                pool.set_probe_failure(None)
 
     def _probe(self) -> None:
         self.discovery.probe()
@@ -470,8 +548,7 @@ class Supervisor:
             return
         # Stamped before writing: a failing write is retried at the same pace, not at every pass.
         self._health_written, self._health_said = time.time(), changes
-        health = self.config.health
-        probe_max = max(10.0, 5 * max(health.interval_seconds, health.link_events_interval_seconds))
+        probe_max = self.probe_bound()
         doc = {
             "pid": os.getpid(),
             "instance": sockets.INSTANCE,
