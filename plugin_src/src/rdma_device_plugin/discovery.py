@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import affinity, cdi, events, nfd, numa_pools
+from . import affinity, cdi, events, health, nfd, numa_pools
 from .config import PluginConfig
 from .health import NicHealth
 from .node import sysfs
@@ -57,6 +57,13 @@ class Discovery:
         self.features: nfd.FeatureFile | None = None  # --nfd-features-file (issue 15)
         self.coverage = events.LinkCoverage(frozenset(), ())  # set by every re-list
         self.affinity = affinity.NodeAffinity({}, (), {})  # GPUs per served NIC, read at every re-list
+        damping = config.health.flap_damping
+        self.damping = (
+            health.FlapDamping(damping.half_life_seconds, damping.suppress_penalty, damping.max_hold_down_seconds)
+            if damping.enabled
+            else None
+        )
+        self.holds: dict[str, health.Hold] = {}  # NICs held down now, by identity
 
     def _skipped(self, name: str, reason: str) -> None:
         """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
@@ -111,10 +118,15 @@ class Discovery:
                     res[0],
                     level=logging.ERROR,
                 )
+        befores = [pool.health_state() for pool in self.pools]
+        changed = []
         for pool in self.pools:
             mine = [n for n in nics if owners.get(n.name, [pool.name])[0] == pool.name]
-            before = pool.health_state()
             if pool.set_nics(mine):
+                changed.append(pool)
+        self._damp()
+        for pool, before in zip(self.pools, befores, strict=True):
+            if pool in changed:
                 LOG.info("devices changed", extra={"resource": pool.name, "nics": pool.nic_summary()})
             self._log_health(pool, before)
         # A selected NIC whose uverbs node is not there yet (udev still creating it) is
@@ -184,13 +196,45 @@ class Discovery:
 
     def _apply_states(self, states: dict[str, tuple[str, ...] | None]) -> None:
         if states == self._states:
+            if self.holds:
+                self._damp()  # a hold-down may have ended
             return  # nothing changed: the common case at every fast probe
         self._states = states
+        befores = [pool.health_state() for pool in self.pools]
         for pool in self.pools:
-            before = pool.health_state()
             pool.set_port_states(states)
+        self._damp()
+        for pool, before in zip(self.pools, befores, strict=True):
             self._log_health(pool, before)
         self.hooks.port_states(states)  # after the pools: the status file re-reads them on this hook
+
+    def _damp(self) -> None:
+        """Flap damping (health.FlapDamping) of every NIC's verdict; the pools hold the NICs it holds."""
+        if self.damping is None:
+            return
+        usable = {key: nic.healthy for pool in self.pools for key, nic in pool.health_state().items()}
+        names = {key: name for pool in self.pools for key, name in pool.nic_names().items()}
+        holds = self.damping.observe(usable, time.monotonic())
+        for key in holds.keys() - self.holds.keys():
+            LOG.warning(
+                "%s held down after %d flaps: Unhealthy until it stays up for %.0f s (health.flapDamping)",
+                names.get(key, key),
+                holds[key].flaps,
+                holds[key].until - time.monotonic(),
+                extra={"nic": names.get(key, key)},
+            )
+        for key in self.holds.keys() - holds.keys():
+            if key in usable:
+                LOG.info("%s no longer held down", names.get(key, key), extra={"nic": names.get(key, key)})
+        if holds != self.holds:
+            self.holds = holds
+            for pool in self.pools:
+                pool.set_held(holds)
+            self.hooks.held_down({names.get(key, key): hold for key, hold in holds.items()})
+
+    def hold_due(self, now: float) -> bool:
+        """A hold-down ends by now: the next probe must look even if no port changed."""
+        return any(hold.until <= now for hold in self.holds.values())
 
     @staticmethod
     def _log_health(pool: ResourcePool, before: dict[str, NicHealth]) -> None:
@@ -217,6 +261,8 @@ class Discovery:
         :meth:`probe` then does the full work, reading the same values again."""
         ports = self._ports
         if ports is None or self._unreadable or (self.verbs is not None and self.verbs.available()):
+            return False
+        if self.holds and self.hold_due(time.monotonic()):
             return False
         return ports.read() == self._states
 

@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from . import __version__, affinity
+from .health import Hold
 from .kubeletapi import HEALTHY, UNHEALTHY
 from .node.sysfs import ACTIVE_STATES, Nic
 from .resources import ResourcePool
@@ -96,6 +97,16 @@ class _StateCollector(Collector):
             labels = [nic.name, nic.pci_address, ",".join(layers), ",".join(sorted(nic.netdevs)), numa]
             info.add_metric([*labels, owners.get(nic.name, ""), *affinity.metric_labels(gpus.get(nic.name))], 1)
         yield info
+        held = GaugeMetricFamily(
+            "rdma_dp_nic_held_down",
+            "1 while the NIC is held down after flapping (health.flapDamping): Unhealthy even while its ports are up",
+            labels=["nic"],
+        )
+        with self.hooks.lock:
+            holds = dict(self.hooks.held)
+        for nic in nics:
+            held.add_metric([nic.name], 1 if nic.name in holds else 0)
+        yield held
         unset = GaugeMetricFamily(
             "rdma_dp_env_unset",
             "1 while a variable of the env NCCL reads (workloadEnv) is left unset for a resource's NICs, and why "
@@ -150,6 +161,7 @@ class MetricsHooks(Hooks):
         self.nics: list[Nic] = []
         self.affinity = affinity.NodeAffinity({}, (), {})
         self.status: Callable[[], LiveStatus] | None = None
+        self.held: dict[str, Hold] = {}  # NICs held down after flapping, by name
         self._server: Any = None
         self.info = Gauge(
             "rdma_dp_build_info", "Plugin version and mode (1)", ["version", "mode"], registry=self.registry
@@ -207,6 +219,10 @@ class MetricsHooks(Hooks):
 
     def probe_failed(self) -> None:
         self.probe_failures.inc()
+
+    def held_down(self, holds: Mapping[str, Hold]) -> None:
+        with self.lock:
+            self.held = dict(holds)
 
     def nics_found(self, nics: Sequence[Nic]) -> None:
         with self.lock:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from . import cdi, nccl_env, netchecks
 from .config import PluginConfig, ResourceConfig
-from .health import NicHealth
+from .health import Hold, NicHealth
 from .kubeletapi import HEALTHY, UNHEALTHY
 from .nccl_env import NicFacts, WorkloadEnv
 from .node.selectors import Selectors
@@ -130,6 +130,7 @@ class ResourcePool:
         self._env: tuple[tuple[str, WorkloadEnv], ...] = ()  # (scope, env) of the pool's NICs: status, metrics
         self._said = LogOnce(LOG)  # a variable left unset: said once while it stays so
         self._probe_failure: str | None = None  # why no port can be vouched for (the probe keeps failing)
+        self._held: dict[str, Hold] = {}  # NICs held down after flapping (health.FlapDamping), by identity
 
     # ------------------------------------------------------------------ inputs
 
@@ -241,7 +242,7 @@ class ResourcePool:
         out = []
         with self._lock:
             for key, health in sorted(self._health.items()):
-                if before.get(key) != health:
+                if before.get(key) != health and key not in self._held:  # a held NIC's flaps: see discovery
                     out.append(f"{self._seen[key].name} {health.describe()}")
             state = self._devices[0].health if self.mode == "shared" and self._devices else None
         if not out:
@@ -254,6 +255,13 @@ class ResourcePool:
         it works again (None)."""
         with self._lock:
             self._probe_failure = reason
+            changed = self._recompute()
+        return self._notify(changed)
+
+    def set_held(self, held: Mapping[str, Hold]) -> bool:
+        """The NICs held down after flapping (by identity, node-wide): Unhealthy while held."""
+        with self._lock:
+            self._held = {key: hold for key, hold in held.items() if key in self._seen}
             changed = self._recompute()
         return self._notify(changed)
 
@@ -284,7 +292,13 @@ class ResourcePool:
 
     def _usable(self, key: str) -> bool:
         health = self._health.get(key)
-        return self._probe_failure is None and key in self._nics and health is not None and health.healthy
+        return (
+            self._probe_failure is None
+            and key in self._nics
+            and key not in self._held
+            and health is not None
+            and health.healthy
+        )
 
     def _recompute(self) -> bool:
         """Derive the device list (under the lock); True when it changed."""
@@ -344,6 +358,11 @@ class ResourcePool:
         with self._lock:
             return self._version, self._devices
 
+    def nic_names(self) -> dict[str, str]:
+        """Identity -> RDMA device name of every NIC the pool knows."""
+        with self._lock:
+            return {key: nic.name for key, nic in self._seen.items()}
+
     def present_nics(self) -> list[Nic]:
         """Selected NICs currently on the node, by RDMA device name."""
         with self._lock:
@@ -362,12 +381,19 @@ class ResourcePool:
                         "present": key in self._nics,
                         "ports": list(health.ports),
                         "healthy": self._usable(key),
-                        "why": self._probe_failure or health.why,
+                        "why": self._probe_failure or health.why or self._held_why(key),
                         "numa_node": nic.numa_node,
                         "gid": self._gid_shown(key),
                     }
                 )
             return out
+
+    def _held_why(self, key: str) -> str:
+        hold = self._held.get(key)
+        if hold is None:
+            return ""
+        left = max(0.0, hold.until - time.monotonic())
+        return f"held down after {hold.flaps} flaps: Healthy in {left:.0f} s if it stays up (health.flapDamping)"
 
     def _gid_shown(self, key: str) -> str:
         """NCCL's GID on the NIC's first RoCE port for the family the pool's env uses ("" without)."""

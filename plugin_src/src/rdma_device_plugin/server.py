@@ -42,6 +42,7 @@ from . import sockets
 from .affinity import NodeAffinity
 from .api import deviceplugin_pb2 as pb
 from .api import deviceplugin_pb2_grpc as pb_grpc
+from .health import Hold
 from .kubeletapi import API_VERSION, HEALTHY, KUBELET_SOCKET, MAX_SOCKET_PATH
 from .node.sysfs import Nic
 from .resources import AllocationError, ContainerAllocation, Device, ResourcePool
@@ -108,6 +109,9 @@ class Hooks:
 
     def probe_failed(self) -> None:
         """A run of the health probe failed (raised)."""
+
+    def held_down(self, holds: Mapping[str, Hold]) -> None:
+        """The NICs held down after flapping now (by name)."""
 
     def supervising(self, status: Callable[[], LiveStatus]) -> None: ...
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .affinity import NodeAffinity
+from .health import Hold
 from .kubeletapi import HEALTHY, UNHEALTHY
 from .node.sysfs import Nic
 from .resources import ResourcePool
@@ -163,6 +164,9 @@ class StatusFileHooks(Hooks):
     def probe_failed(self) -> None:
         self.inner.probe_failed()
         self._wake.set()
+
+    def held_down(self, holds: Mapping[str, Hold]) -> None:
+        self.inner.held_down(holds)
 
     def supervising(self, status: Callable[[], LiveStatus]) -> None:
         self.inner.supervising(status)
