@@ -260,6 +260,42 @@ def test_device_plugin_dir_removed_then_recreated(  # type: ignore[no-untyped-de
         stop_kubelet(kubelet)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["sim", "real"])
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (util-linux)")
+def test_a_bind_mounted_device_plugin_dir_deleted_on_the_host_makes_the_plugin_exit(  # type: ignore[no-untyped-def]
+    start_plugin, dp_dir: Path, short_tmp: Path, backend: str
+) -> None:
+    """Issue 30: the chart bind-mounts the host's device-plugin dir (hostPath). Deleted on the host,
+    the kubelet creates a new one, but the container's mount still shows the deleted directory: the
+    plugin would wait for a kubelet.sock that never appears there. It exits non-zero with one clear
+    line instead, so that the container restarts onto the new directory. Run in a mount namespace
+    of its own, with the dir bind-mounted as in a pod."""
+    host = short_tmp / "host-dp"
+    host.mkdir()
+    kubelet = start_kubelet(backend, host, short_tmp / "kubelet.log")
+    pod = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+    pod += ['mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(host), str(dp_dir)]
+    if subprocess.run([*pod[:4], "true"], capture_output=True, check=False).returncode != 0:
+        pytest.skip("no mount namespace here")
+    plugin = start_plugin(FAST, prefix=pod)
+    try:
+        assert kubelet.wait_registered(RES, timeout=30), plugin.output()
+        stop_kubelet(kubelet)
+        shutil.rmtree(host)  # the host's rm -rf: the pod's mount keeps the deleted directory
+        host.mkdir()
+        kubelet = start_kubelet(backend, host, short_tmp / "kubelet2.log")  # a kubelet on the new one
+        rc = plugin.proc.wait(timeout=30)
+        assert rc == 4, plugin.output()[-3000:]
+        out = plugin.output()
+        assert out.count("was deleted on the host") == 1, out[-3000:]
+        line = next(x for x in out.splitlines() if "was deleted on the host" in x)
+        assert f"the device-plugin dir {dp_dir} was deleted on the host" in line and "exiting" in line
+        assert "Traceback" not in out
+    finally:
+        stop_kubelet(kubelet)
+
+
 def test_unreadable_rdma_devices_are_logged_once_and_do_not_force_relists(  # type: ignore[no-untyped-def]
     kubelet: Kubelet, start_plugin, node: fixtures.FixtureNode
 ) -> None:

@@ -135,6 +135,7 @@ class InstanceLock:
     """This instance's lock file, held (``flock`` exclusive) from start to exit."""
 
     def __init__(self, device_plugin_dir: str, instance: str = INSTANCE) -> None:
+        self.device_plugin_dir = device_plugin_dir
         self.dir = os.path.join(device_plugin_dir, INSTANCES_DIR)
         self.path = os.path.join(self.dir, instance)
         self._fd: int | None = None
@@ -144,6 +145,8 @@ class InstanceLock:
         if self._fd is not None:
             os.close(self._fd)  # a lock file that lost its name: this one replaces it
             self._fd = None
+        if not os.path.isdir(self.device_plugin_dir):  # the kubelet's to create, not ours
+            raise FileNotFoundError(errno.ENOENT, "the device-plugin dir does not exist", self.device_plugin_dir)
         os.makedirs(self.dir, exist_ok=True)
         # Locked before it gets its name: a file of that name is never seen unlocked while we live.
         tmp = f"{self.path}.{os.getpid()}.tmp"

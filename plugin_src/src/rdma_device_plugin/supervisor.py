@@ -49,6 +49,7 @@ FOLLOW_UP_SECONDS = 2.0  # after a link event, probe fast: a driver may update t
 # the loops' max_age (10 s) that `healthcheck` allows, so a live plugin never looks stale.
 HEALTH_WRITE_SECONDS = 3.0
 STOP_GRACE_SECONDS = 0.5  # open streams get this long to end at exit (all servers together)
+EXIT_DIR_DELETED = 4  # serve's exit code when the device-plugin dir was deleted under it
 PORT_PROBE = "port probe"  # the two steps of the health probe (failures are counted per step)
 DEVICE_CHECK = "device check"
 
@@ -114,6 +115,7 @@ class Supervisor:
         ]
         self._kubelet_id: tuple[int, int] | None = None
         self.heartbeats: dict[str, float] = {}  # loop step name -> wall time it last completed
+        self.exit_reason: str | None = None  # why the loop ended by itself (serve then exits non-zero)
         self._probe_episodes: dict[str, ProbeEpisode] = {}  # the probe steps failing now
         self._probe_blocked: str | None = None  # why every resource is Unhealthy (the probe failed too long)
         self._health_written = 0.0
@@ -213,8 +215,10 @@ class Supervisor:
                 self.heartbeats["probe"] = time.time()  # a probe that succeeded: the port states are read
                 woke = self._wait(next_probe - time.monotonic())
             for ready in woke:
-                if ready is self._dir_watch:
+                if isinstance(ready, events.DirWatch) and ready is self._dir_watch:
                     watch_due = True
+                    if not ready.alive:  # the dir itself was removed or moved
+                        self._check_dir()
                 elif ready is self._config_watch:
                     self._supervised("config watch", self._watch_config)
                 elif ready is self._links:
@@ -366,8 +370,27 @@ class Supervisor:
             why = "; ".join(now[1].uncovered) if now[0] else "linkEvents off or unavailable"
             LOG.info("port states: polled every %g s (%s)", health.interval_seconds, why or "no NIC selected")
 
+    def _check_dir(self) -> None:
+        """Exit when the device-plugin dir we see was deleted: a link count of 0 means our view of it is
+        a bind mount (the chart's hostPath) of a directory the host removed. The kubelet creates a new
+        one, which only a new container sees: waiting here would wait for a kubelet.sock that never
+        appears in this one (until liveness gives up, minutes later)."""
+        try:
+            links = os.stat(self.dir).st_nlink
+        except OSError:
+            return  # gone from our view too (no bind mount): it is polled until it comes back
+        if links == 0 and self.exit_reason is None:
+            self.exit_reason = (
+                f"the device-plugin dir {self.dir} was deleted on the host (its directory has no links left); "
+                "exiting so that the container restarts with the new one"
+            )
+            LOG.critical("%s", self.exit_reason)
+            self.stop_event.set()
+            self.wake()
+
     def _keep_watching(self) -> None:
         """Open the notifications that are missing: at start, and after a watched dir went away."""
+        self._check_dir()
         if self._dir_watch is not None and not self._dir_watch.alive:
             self._watching(self._dir_watch, False)
             self._dir_watch = None
@@ -708,4 +731,4 @@ def _serve(args: argparse.Namespace, lock: sockets.InstanceLock) -> int:
         stop = getattr(hooks, "stop", None)
         if stop is not None:
             stop()
-    return 0
+    return EXIT_DIR_DELETED if supervisor.exit_reason else 0
