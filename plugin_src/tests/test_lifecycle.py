@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import yaml
 from conftest import (
     ScriptedPlugin,
     device,
+    free_port,
     plugin_socket,
     real_kubelet_binary,
     serve_command,
@@ -307,6 +309,40 @@ def test_unreadable_rdma_devices_are_logged_once_and_do_not_force_relists(  # ty
     out = plugin.output()
     assert out.count("RDMA device rxe0 left out") == 1 and out.count("RDMA device siw0 left out") == 1, out
     assert "RDMA devices changed on the node" not in out, "an unreadable device looked like a change at every probe"
+
+
+@pytest.mark.timeout(120)
+def test_a_nic_without_its_uverbs_node_is_said_once_and_rechecked_with_backoff(  # type: ignore[no-untyped-def]
+    sim: KubeletSimulator, start_plugin, short_tmp: Path
+) -> None:
+    """Issue 30: a selected NIC whose /dev/infiniband/uverbsN is missing (udev not done, ib_uverbs not
+    loaded) was re-listed every second, silently. One warning; re-listed 1 s later, then at doubling
+    intervals; Healthy as soon as a re-check finds the node."""
+    spec = fixtures.with_nic_changes(fixtures.lingjun_node(nics=4), "mlx5_bond_3", char_device=False)
+    fx = fixtures.write_node(str(short_tmp / "no-uverbs"), spec)
+    port = free_port()
+    config = {"health": {"intervalSeconds": 0.1}, "rediscoveryIntervalSeconds": 3600}
+    plugin = start_plugin(config, fixture=fx, extra=["--metrics-address", f"127.0.0.1:{port}"])
+    assert sim.wait_registered(RES, timeout=30), plugin.output()
+    assert sim.allocatable(RES) == 0  # policy all: the NIC without uverbs is Unhealthy
+    t0 = time.monotonic()
+
+    def relists() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return float(re.search(r"^rdma_dp_rediscoveries_total (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+
+    start = relists()
+    time.sleep(10.0)
+    elapsed = time.monotonic() - t0
+    done = relists() - start
+    assert done <= 4, f"{done} re-lists in {elapsed:.0f} s: not backing off (a second each before)"
+    out = plugin.output()
+    assert out.count("WARNING rdma_device_plugin.discovery: mlx5_bond_3 has no uverbs") == 1, out[-3000:]
+    uverbs = next(n for n in spec.nics if n.name == "mlx5_bond_3").uverbs
+    Path(fx.dev, "infiniband", f"uverbs{uverbs}").touch()  # udev catches up
+    assert sim.wait_allocatable(RES, 1000, timeout=40), plugin.output()[-3000:]
+    assert "a NIC's uverbs character device is there now" in plugin.output()
 
 
 def test_duplicate_ids_in_one_allocate_are_refused(  # type: ignore[no-untyped-def]

@@ -14,16 +14,18 @@ from __future__ import annotations
 import logging
 import time
 
-from . import affinity, cdi, events, health, nfd, numa_pools
+from . import affinity, cdi, events, health, nfd, numa_pools, resources
 from .config import PluginConfig
 from .health import NicHealth
 from .node import sysfs
 from .resources import ResourcePool
 from .server import Hooks
-from .supervision import LogOnce
+from .supervision import Backoff, LogOnce
 from .verbs import VerbsProbe
 
 LOG = logging.getLogger(__name__)
+UVERBS_RECHECK_SECONDS = 1.0
+UVERBS_RECHECK_MAX_SECONDS = 30.0
 
 
 class Discovery:
@@ -47,7 +49,10 @@ class Discovery:
         self.cdi: dict[str, cdi.SpecWriter] = {}  # resource name -> its CDI spec (cdi.enabled)
         self._names: list[str] = []
         self._problems: dict[str, tuple[str, ...]] = {}
-        self._incomplete = False
+        self._incomplete: frozenset[str] = frozenset()  # selected NICs without a usable uverbs node, by identity
+        # Re-listed for them 1 s after, doubling to 30 s: udev creates the node within moments of the
+        # NIC, so a NIC still without one is waiting for a module (ib_uverbs) or a /dev that is not the host's.
+        self._incomplete_backoff = Backoff(UVERBS_RECHECK_SECONDS, UVERBS_RECHECK_MAX_SECONDS)
         self._last_full = 0.0
         self._unreadable: dict[str, str] = {}  # this re-list's unidentifiable devices -> why
         self._unreadable_logged: dict[str, str] = {}
@@ -129,11 +134,7 @@ class Discovery:
             if pool in changed:
                 LOG.info("devices changed", extra={"resource": pool.name, "nics": pool.nic_summary()})
             self._log_health(pool, before)
-        # A selected NIC whose uverbs node is not there yet (udev still creating it) is
-        # re-read at every probe, so it becomes usable without waiting for the rediscovery timer.
-        self._incomplete = any(
-            nic.uverbs is None or not nic.uverbs.present for pool in self.pools for nic in pool.present_nics()
-        )
+        self._say_uverbs()
         self.hooks.rediscovered()
         self.hooks.nics_found(nics)
         served = sorted({n.name: n for pool in self.pools for n in pool.present_nics()}.values(), key=lambda n: n.name)
@@ -161,6 +162,34 @@ class Discovery:
                 except OSError as exc:
                     LOG.error("cannot write CDI spec", extra={"path": writer.path, "error": str(exc)})
         return nics
+
+    def _say_uverbs(self) -> None:
+        """A selected NIC without a usable uverbs node (udev not done yet, ib_uverbs not loaded, the
+        container's /dev not the host's): one warning, re-listed with backoff until it has one."""
+        missing = {
+            resources.nic_identity(nic): nic
+            for pool in self.pools
+            for nic in pool.present_nics()
+            if nic.uverbs is None or not nic.uverbs.present
+        }
+        for key, nic in missing.items():
+            where = f"{nic.uverbs.node_path} is missing" if nic.uverbs else "no uverbs device names it in sysfs"
+            self._log_once.problem(
+                f"uverbs {key}",
+                "%s has no uverbs character device (%s); it stays Unhealthy, and the NICs are re-listed %g s "
+                "later, then at doubling intervals up to %g s, until it has one",
+                nic.name,
+                where,
+                UVERBS_RECHECK_SECONDS,
+                UVERBS_RECHECK_MAX_SECONDS,
+                extra={"nic": nic.name},
+            )
+        for key in self._incomplete - missing.keys():
+            self._log_once.cleared(f"uverbs {key}", "a NIC's uverbs character device is there now")
+        if missing.keys() - self._incomplete:  # a new one: its first re-check a second from now
+            self._incomplete_backoff.succeeded()
+            self._incomplete_backoff.failed(time.monotonic())
+        self._incomplete = frozenset(missing)
 
     def _say_numa_less(self) -> None:
         """numaPools: a selected NIC without a NUMA node is in no per-NUMA pool (said once)."""
@@ -246,14 +275,18 @@ class Discovery:
             LOG.info("health changed: %s", line, extra={"resource": pool.name})
 
     def check_devices(self) -> None:
-        """Re-list the NICs when the set of RDMA devices changed (hot-plug, removal), one is still
-        incomplete, or the rediscovery interval passed."""
+        """Re-list the NICs when the set of RDMA devices changed (hot-plug, removal), the rediscovery
+        interval passed, or a NIC without its uverbs node is due for a re-check (backoff)."""
         names = sysfs.list_rdma_devices(self.sysfs_root)
-        due = time.monotonic() - self._last_full >= self.config.rediscovery_interval_seconds
-        if names != self._names or due or self._incomplete:
+        now = time.monotonic()
+        due = now - self._last_full >= self.config.rediscovery_interval_seconds
+        recheck = bool(self._incomplete) and self._incomplete_backoff.due(now)
+        if names != self._names or due or recheck:
             if names != self._names:
                 LOG.info("RDMA devices changed on the node", extra={"before": self._names, "after": names})
             self.full()
+            if self._incomplete and recheck:
+                self._incomplete_backoff.failed(now)
 
     def unchanged(self) -> bool:
         """The idle fast probe: True when every port reads as last applied (one pread per port,
