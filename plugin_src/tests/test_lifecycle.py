@@ -368,7 +368,7 @@ def test_registration_retries_back_off_and_log_once(start_plugin, dp_dir: Path) 
         plugin = start_plugin(FAST)
         time.sleep(6.0)
         out = plugin.output()
-        warned = "WARNING rdma_device_plugin.supervisor: registration of rdma/hca with the kubelet failed"
+        warned = "WARNING rdma_device_plugin.supervisor: registration of rdma/hca with the kubelet keeps failing"
         assert out.count(warned) == 1, out
         assert out.count("DEBUG   rdma_device_plugin.supervisor: registration of rdma/hca") <= 5, "backoff: not 2/s"
         assert plugin.proc.poll() is None and "Traceback" not in out

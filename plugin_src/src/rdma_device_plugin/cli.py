@@ -258,6 +258,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
+    if args.command == "serve":
+        from .logs import route_native_stderr
+
+        route_native_stderr()  # before grpc loads: its core logs through ours
     try:
         if args.command == "discover":
             return _discover(args)

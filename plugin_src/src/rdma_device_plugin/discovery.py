@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import affinity, cdi, events, health, nfd, numa_pools, resources
+from . import affinity, cdi, events, health, logs, nfd, numa_pools, resources
 from .config import PluginConfig
 from .health import NicHealth
 from .node import sysfs
@@ -132,7 +132,17 @@ class Discovery:
         self._damp()
         for pool, before in zip(self.pools, befores, strict=True):
             if pool in changed:
-                LOG.info("devices changed", extra={"resource": pool.name, "nics": pool.nic_summary()})
+                summary = pool.nic_summary()
+                LOG.info(
+                    "devices changed",
+                    extra={
+                        "resource": pool.name,
+                        "nics": logs.names([str(n["name"]) for n in summary]),
+                        "count": len(summary),
+                        "healthy": sum(1 for n in summary if n["healthy"]),
+                    },
+                )
+                LOG.debug("devices changed", extra={"resource": pool.name, "nics": summary})
             self._log_health(pool, before)
         self._say_uverbs()
         self.hooks.rediscovered()
@@ -283,7 +293,13 @@ class Discovery:
         recheck = bool(self._incomplete) and self._incomplete_backoff.due(now)
         if names != self._names or due or recheck:
             if names != self._names:
-                LOG.info("RDMA devices changed on the node", extra={"before": self._names, "after": names})
+                added = sorted(set(names) - set(self._names))
+                removed = sorted(set(self._names) - set(names))
+                LOG.info(
+                    "RDMA devices changed on the node",
+                    extra={"added": logs.names(added), "removed": logs.names(removed), "count": len(names)},
+                )
+                LOG.debug("RDMA devices changed on the node", extra={"before": self._names, "after": names})
             self.full()
             if self._incomplete and recheck:
                 self._incomplete_backoff.failed(now)

@@ -71,9 +71,9 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from . import sockets
-from .kubeletapi import CHECKPOINT
+from .kubeletapi import CHECKPOINT, KUBELET_SOCKET
 from .resources import ResourcePool
-from .server import Hooks, PluginServer, SnapshotFeed, StreamEvent
+from .server import Hooks, PluginServer, SnapshotFeed, SocketVanished, StreamEvent
 from .supervision import Backoff, LogOnce
 
 LOG = logging.getLogger(__name__)
@@ -131,6 +131,7 @@ class Registration:
         self._peers: frozenset[str] | None = None  # other instances' socket files at the last look
         self._renew_wanted = False  # register again on a fresh socket when step() may (see there)
         self._gone_unexplained = False  # another instance's socket went, and no cut of ours followed yet
+        self._kubelet_registered: tuple[int, int] | None = None  # the kubelet.sock we last registered with
         self._taken_over = False  # since the last registration: the older instances were told
         self._checkpoint_sent: tuple[int, int] | None = None  # the kubelet's checkpoint when we sent Register
         self.changes = 0  # bumped at every state change: the liveness file says so at once
@@ -171,6 +172,7 @@ class Registration:
         """A new kubelet.sock: the kubelet emptied the dir of sockets and knows no endpoint."""
         if self.state is State.STOOD_DOWN:
             return  # the newer instance registers with the new kubelet
+        self.register_backoff.last_cut = float("-inf")  # a new kubelet: its cuts repeat none of the old one's
         if self.state in SENT and self.server is not None and self.server.present():
             # Our socket outlived the new kubelet's start-up cleanup (server.go Start ->
             # CleanupPluginDirectory): it was served, and registered, with the new kubelet. One
@@ -202,7 +204,14 @@ class Registration:
                 self._registered()
         elif what == "kubelet ended" and self.state in (State.REGISTERED, State.AWAITING_STREAM):
             self.hooks.stream_ended(self.name)
-            if self._gone_unexplained or any(s.retiring for s in self._others()):
+            wait = 0.0
+            kubelet = os.path.join(self.dir, KUBELET_SOCKET)
+            if sockets.file_id(kubelet) != self._kubelet_registered or not sockets.listening(kubelet):
+                # The kubelet is restarting (its socket gone, replaced, or nobody behind it): no repeat
+                # to back off from; the new kubelet.sock is the event (supervisor: kubelet_restarted).
+                self._want_renew(keep_backoff=False)
+                when = "when it is back (it is restarting)"
+            elif self._gone_unexplained or any(s.retiring for s in self._others()):
                 # Another instance is ending its streams: that is what cut ours, and it may cut again
                 # until it is done. Registering again then (step) is no repeat to back off from.
                 self._want_renew(keep_backoff=False)
@@ -211,7 +220,8 @@ class Registration:
                 wait = self.register_backoff.cut(now)
                 self._want_renew(keep_backoff=True)
                 when = "at once" if wait <= 0 else f"in {wait:.1f} s (it ended again within 10 s)"
-            LOG.info(
+            LOG.log(
+                logging.INFO if wait <= 0 else logging.WARNING,  # a kubelet restart, a handover; repeats warn
                 "the kubelet ended the ListAndWatch stream of %s; registering again %s",
                 self.name,
                 when,
@@ -228,11 +238,16 @@ class Registration:
         if exc is not None:
             detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             self.register_backoff.failed(time.monotonic())
+            # The first failures come with a kubelet restart (its socket there, nobody listening yet):
+            # INFO; from the third on, WARNING.
+            keeps = self.register_backoff.failures >= 3
             self.once.problem(
                 f"register {self.name}",
-                "registration of %s with the kubelet failed: %s; retrying with backoff (0.5 s doubling to 5 s)",
+                "registration of %s with the kubelet %s: %s; retrying with backoff (0.5 s doubling to 5 s)",
                 self.name,
+                "keeps failing" if keeps else "failed",
                 detail,
+                level=logging.WARNING if keeps else logging.INFO,
                 extra={"resource": self.name},
             )
             # On a fresh socket: a kubelet that timed out may still connect this one later, and one
@@ -474,6 +489,12 @@ class Registration:
         )
         try:
             server.start()
+        except SocketVanished as exc:
+            # Deleted between bind and look: a kubelet starting up empties the dir. Its new
+            # kubelet.sock comes next; serve again now, under the next name (this one existed).
+            self.starts += 1
+            LOG.info("%s (a kubelet starting empties the dir); a fresh socket next", exc, extra={"resource": self.name})
+            return
         except (OSError, RuntimeError) as exc:
             self.serve_backoff.failed(now)
             self.once.problem(
@@ -494,6 +515,7 @@ class Registration:
     def _register(self) -> None:
         server = self.server
         assert server is not None
+        self._kubelet_registered = sockets.file_id(os.path.join(self.dir, KUBELET_SOCKET))
         self._checkpoint_sent = self._checkpoint_id()
         self._taken_over = False
         future = server.register()

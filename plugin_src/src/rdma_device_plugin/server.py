@@ -38,7 +38,7 @@ from typing import Any
 
 import grpc
 
-from . import sockets
+from . import logs, sockets
 from .affinity import NodeAffinity
 from .api import deviceplugin_pb2 as pb
 from .api import deviceplugin_pb2_grpc as pb_grpc
@@ -276,7 +276,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         # per call cost more than building the answer, issue 11): what this resource hands out now.
         LOG.info(
             "Allocate answer",
-            extra={"resource": self.pool.name, "nics": ";".join(",".join(a.nics) for a in allocs)},
+            extra={"resource": self.pool.name, "nics": ";".join(logs.names(a.nics) for a in allocs)},
         )
         return response
 
@@ -380,6 +380,10 @@ def _method_handlers(servicer: DevicePluginServicer) -> Any:
     return capture.handlers
 
 
+class SocketVanished(OSError):
+    """The socket file was deleted between bind and the first look at it."""
+
+
 class PluginServer:
     """One resource's gRPC server on ``<device_plugin_dir>/<socket_name>`` (a name used once)."""
 
@@ -442,7 +446,7 @@ class PluginServer:
                 break
         else:
             _Loop.run(server.stop(0))
-            raise OSError(f"{self.path} vanished as it was bound")
+            raise SocketVanished(f"plugin socket {self.path} was removed as it was bound")
         self.pool.add_listener(wake.notify)  # after the feed's: the message is encoded when streams wake
         self._server, self._servicer = server, servicer
         LOG.info("serving", extra={"resource": self.pool.name, "socket": self.path})

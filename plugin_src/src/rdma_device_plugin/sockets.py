@@ -118,6 +118,15 @@ def instances(device_plugin_dir: str, resource: str) -> list[SocketName]:
     return sorted(found)
 
 
+def file_id(path: str) -> tuple[int, int] | None:
+    """(inode, ctime) of a file: one kubelet start, for kubelet.sock; None when it is missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_ctime_ns)
+
+
 def listening(path: str) -> bool:
     """True when a process listens on the unix socket at ``path`` (a stale file refuses at once)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -179,6 +188,9 @@ class InstanceLock:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
             os.close(fd)
+            for empty in (self.dir, os.path.dirname(self.dir)):  # the last instance leaves no trace
+                with contextlib.suppress(OSError):
+                    os.rmdir(empty)
 
 
 def live_instances(device_plugin_dir: str, after: str) -> list[str]:

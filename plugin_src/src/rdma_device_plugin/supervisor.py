@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 
-from . import cdi, events, netchecks, nfd, numa_pools, sockets
+from . import cdi, events, logs, netchecks, nfd, numa_pools, sockets
 from .config import ConfigError, PluginConfig, load_config, socket_path_problems
 from .discovery import Discovery
 from .kubeletapi import CHECKPOINT, KUBELET_SOCKET
@@ -49,6 +49,7 @@ FOLLOW_UP_SECONDS = 2.0  # after a link event, probe fast: a driver may update t
 # the loops' max_age (10 s) that `healthcheck` allows, so a live plugin never looks stale.
 HEALTH_WRITE_SECONDS = 3.0
 STOP_GRACE_SECONDS = 0.5  # open streams get this long to end at exit (all servers together)
+KUBELET_MISSING_WARN_SECONDS = 60.0  # kubelet.sock gone this long is more than a kubelet restart
 EXIT_DIR_DELETED = 4  # serve's exit code when the device-plugin dir was deleted under it
 PORT_PROBE = "port probe"  # the two steps of the health probe (failures are counted per step)
 DEVICE_CHECK = "device check"
@@ -116,6 +117,7 @@ class Supervisor:
         self._kubelet_id: tuple[int, int] | None = None
         self.heartbeats: dict[str, float] = {}  # loop step name -> wall time it last completed
         self.exit_reason: str | None = None  # why the loop ended by itself (serve then exits non-zero)
+        self._kubelet_missing_since: float | None = None
         self._probe_episodes: dict[str, ProbeEpisode] = {}  # the probe steps failing now
         self._probe_blocked: str | None = None  # why every resource is Unhealthy (the probe failed too long)
         self._health_written = 0.0
@@ -363,12 +365,16 @@ class Supervisor:
         if now[0] and now[1].complete:
             LOG.info(
                 "port states: re-read at once on link events of %s; polled every %g s besides",
-                ",".join(sorted(now[1].netdevs)),
+                logs.names(sorted(now[1].netdevs)),
                 health.link_events_interval_seconds,
             )
         else:
-            why = "; ".join(now[1].uncovered) if now[0] else "linkEvents off or unavailable"
+            uncovered = now[1].uncovered
+            why = "; ".join(uncovered[:1]) if now[0] else "linkEvents off or unavailable"
+            if now[0] and len(uncovered) > 1:
+                why += f"; and {len(uncovered) - 1} more NICs"
             LOG.info("port states: polled every %g s (%s)", health.interval_seconds, why or "no NIC selected")
+            LOG.debug("port states: no link events for: %s", "; ".join(uncovered))
 
     def _check_dir(self) -> None:
         """Exit when the device-plugin dir we see was deleted: a link count of 0 means our view of it is
@@ -494,7 +500,7 @@ class Supervisor:
         if not findings:
             LOG.info(
                 "non-hostNetwork checks passed: RDMA netns mode shared, IPv6 on every selected NIC's netdev",
-                extra={"netdevs": ",".join(sorted({netchecks.gid_netdev(n) for n in selected.values()}))},
+                extra={"netdevs": logs.names(sorted({netchecks.gid_netdev(n) for n in selected.values()}))},
             )
         for finding in findings:
             LOG.log(
@@ -514,11 +520,7 @@ class Supervisor:
     # ------------------------------------------------------------------ kubelet events
 
     def _kubelet_identity(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self._kubelet_sock)
-            return (st.st_ino, st.st_ctime_ns)
-        except OSError:
-            return None
+        return sockets.file_id(self._kubelet_sock)
 
     def _post(self, event: Callable[[], None]) -> None:
         """From the gRPC loop: run ``event`` on the supervisor's thread at its next pass, which starts now."""
@@ -540,8 +542,19 @@ class Supervisor:
         kubelet = self._kubelet_identity()
         self._kubelet_present = kubelet is not None  # registration retries wait for it (dir watch)
         if kubelet is None:
-            self.once.problem("kubelet", "kubelet.sock is missing in %s: waiting for the kubelet", self.dir)
+            # A kubelet restart removes it for a moment: INFO; still missing a minute later: WARNING.
+            now = time.monotonic()
+            self._kubelet_missing_since = self._kubelet_missing_since or now
+            late = now - self._kubelet_missing_since >= KUBELET_MISSING_WARN_SECONDS
+            self.once.problem(
+                "kubelet",
+                "kubelet.sock is missing in %s: waiting for the kubelet%s",
+                self.dir,
+                f" (for {KUBELET_MISSING_WARN_SECONDS:.0f} s now)" if late else "",
+                level=logging.WARNING if late else logging.INFO,
+            )
         else:
+            self._kubelet_missing_since = None
             self.once.cleared("kubelet", "kubelet.sock is back")
         if kubelet is not None and kubelet != self._kubelet_id:
             if self._kubelet_id is not None:
@@ -617,12 +630,14 @@ class Supervisor:
                 extra={
                     "resource": pool.name,
                     "mode": self.config.mode,
-                    "nics": ",".join(str(n["name"]) for n in pool.nic_summary()),
+                    "nics": logs.names([str(n["name"]) for n in pool.nic_summary()]),
                     "devices": len(pool.snapshot()[1]),
                 },
             )
         if not any(pool.nic_summary() for pool in self.pools):
-            LOG.warning("no RDMA NIC matches any resource's selectors", extra={"found": [n.name for n in nics]})
+            LOG.warning(
+                "no RDMA NIC matches any resource's selectors", extra={"found": logs.names([n.name for n in nics])}
+            )
         if self.config.non_host_network.enabled:
             self.check_non_host_network()
         self.heartbeats["probe"] = self.heartbeats["watch"] = time.time()
