@@ -16,8 +16,8 @@ from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.config import load_config_text
 from rdma_device_plugin.node import fixtures, sysfs
-from rdma_device_plugin.resources import ResourcePool, build_pools
-from rdma_device_plugin.server import PluginServer, SnapshotFeed
+from rdma_device_plugin.resources import PoolView, ResourcePool, build_pools
+from rdma_device_plugin.server import PluginServer
 
 SPEC0 = next(n for n in fixtures.lingjun_node(nics=4).nics if n.name == "mlx5_bond_0")  # the conftest `node`
 SERVER_LOG = "rdma_device_plugin.server"
@@ -37,7 +37,7 @@ def serve(node: fixtures.FixtureNode, dp_dir: Path) -> Iterator[Any]:
     def start(config: str) -> tuple[ResourcePool, Any, PluginServer]:
         pool = build_pools(load_config_text(config))[0]
         pool.set_nics(sysfs.read_nics(node.sysfs, node.dev))
-        server = PluginServer(pool, SnapshotFeed(pool), str(dp_dir), f"t{len(servers)}.sock")
+        server = PluginServer(pool, str(dp_dir), f"t{len(servers)}.sock")
         server.start()
         servers.append(server)
         channel = grpc.insecure_channel(f"unix://{server.path}")
@@ -111,7 +111,7 @@ def test_a_relist_that_finds_the_same_nics_keeps_the_answer(  # type: ignore[no-
     """Discovery re-lists every rediscoveryIntervalSeconds: finding the same NICs must neither
     rebuild (and re-log) the answer nor keep the replaced answers of earlier NIC sets around."""
     caplog.set_level(logging.INFO, logger=SERVER_LOG)
-    pool, allocate, server = serve("{}")
+    pool, allocate, _ = serve("{}")
     allocate("hca-0")
     for _ in range(3):
         pool.set_nics(sysfs.read_nics(node.sysfs, node.dev))
@@ -124,16 +124,17 @@ def test_a_relist_that_finds_the_same_nics_keeps_the_answer(  # type: ignore[no-
         pool.set_nics(sysfs.read_nics(node.sysfs, node.dev))
         allocate("hca-2")
     assert len(answers(caplog, logging.INFO, "Allocate answer")) == 4
-    assert len(server._servicer._responses) == 1
+    assert len(pool.view.responses) == 1
 
 
 @pytest.mark.parametrize("mode", ["shared", "exclusive"])
 def test_a_relist_between_the_answer_and_its_caching_never_keeps_the_old_nics(  # type: ignore[no-untyped-def]
-    serve, node: fixtures.FixtureNode, mode: str
+    serve, node: fixtures.FixtureNode, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 30: the pool hands out an answer, and a re-list changes the NICs (bond_0 renamed by
-    a LAG re-formation) before the gRPC layer caches that answer: the interleaving is forced here.
-    The old answer may go to the call that asked before the re-list, never to a later one."""
+    a LAG re-formation) before the gRPC layer caches that answer: the interleaving is forced here
+    (right after the view the call read built its answer). The old answer may go to the call that
+    asked before the re-list, never to a later one."""
     pool, allocate, _ = serve(f"mode: {mode}")
     ids = ("hca-0",) if mode == "shared" else (SPEC0.pci_address,)
     before, after = (
@@ -141,18 +142,18 @@ def test_a_relist_between_the_answer_and_its_caching_never_keeps_the_old_nics(  
         if mode == "shared"
         else ("mlx5_bond_0", "rocep31s0")
     )
-    original = pool.allocate
+    original = PoolView.allocate
     relisted = False
 
-    def allocate_then_relist(device_ids: Any) -> Any:
+    def allocate_then_relist(view: PoolView, device_ids: Any) -> Any:
         nonlocal relisted
-        answer = original(device_ids)
+        answer = original(view, device_ids)
         if not relisted:  # once: between the pool's answer and the servicer's cache
             relisted = True
             rename_bond0(node, pool)
         return answer
 
-    pool.allocate = allocate_then_relist  # type: ignore[method-assign]
+    monkeypatch.setattr(PoolView, "allocate", allocate_then_relist)
     assert allocate(*ids)["RDMA_DEVICES"] == before  # asked before the re-list: the NICs then
     assert relisted
     for _ in range(3):

@@ -13,13 +13,13 @@ from typing import Any
 import grpc
 import pytest
 
-from rdma_device_plugin import server, sockets
+from rdma_device_plugin import resources, sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.config import PluginConfig, load_config_text
 from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.resources import build_pools
-from rdma_device_plugin.server import PluginServer, SnapshotFeed
+from rdma_device_plugin.server import PluginServer
 from rdma_device_plugin.supervision import BACKOFF_INITIAL_SECONDS, REPEAT_SECONDS, Backoff
 
 NAME_IN_A_PID_NAMESPACE = (
@@ -84,16 +84,16 @@ def test_listandwatch_is_serialized_once_per_change_for_every_stream(
     """Ten open streams, three health changes: every stream gets the same bytes, encoded once (they
     were built and serialized per stream, on the loop that answers Allocate: 40 encodings here)."""
     calls: list[int] = []
-    encode = server.encode_snapshot
+    encode = resources.encode_devices
 
     def counting(devices: Any) -> bytes:
         calls.append(len(devices))
         return encode(devices)
 
-    monkeypatch.setattr(server, "encode_snapshot", counting)
+    monkeypatch.setattr(resources, "encode_devices", counting)
     pool = build_pools(PluginConfig())[0]
     pool.set_nics(sysfs.read_nics(node.sysfs, node.dev))
-    plugin = PluginServer(pool, SnapshotFeed(pool), str(dp_dir), "feed.sock")
+    plugin = PluginServer(pool, str(dp_dir), "feed.sock")
     plugin.start()
     received: list[list[bytes]] = []
 

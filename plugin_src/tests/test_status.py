@@ -138,41 +138,49 @@ def test_status_hooks_forward_every_hook_to_the_wrapped_one(tmp_path: Path) -> N
             args = [() for _ in list(inspect.signature(getattr(Hooks, name)).parameters)[1:]]
             if name == "allocated":
                 args = ["rdma/hca", 0.001, True]
-            if name == "affinity_found":  # a real one: the status writer thread reads its .nics
-                from rdma_device_plugin.affinity import NodeAffinity
+            if name == "published":  # a real one: the status writer thread reads it
+                from rdma_device_plugin.published import EMPTY_AFFINITY, NodeView
 
-                args = [NodeAffinity(nics={}, gpus=(), gpu_closest={})]
+                args = [NodeView((), {}, (), EMPTY_AFFINITY, {}, (), False)]
             getattr(hooks, name)(*args)
     finally:
         hooks.stop()
     assert sorted(calls) == sorted(names)
 
 
-def test_port_state_hook_fires_once_the_pools_applied_the_change(node: fixtures.FixtureNode) -> None:
-    """The status-file writer sleeps until a hook fires and then re-reads the pools (no periodic
-    rewrite): a hook fired before the pools apply a change would leave a stale allocatable there."""
+def test_the_published_view_is_the_pools_after_each_change(node: fixtures.FixtureNode, short_tmp: Path) -> None:
+    """The status-file writer and the metrics read only what the supervisor publishes: every view
+    it publishes shows the pools after the change (never before it), and a view once published
+    never changes, whatever the pools do next (one owner, issue 30)."""
     from rdma_device_plugin.config import PluginConfig
-    from rdma_device_plugin.discovery import Discovery
-    from rdma_device_plugin.resources import build_pools
+    from rdma_device_plugin.published import NodeView
     from rdma_device_plugin.server import Hooks
+    from rdma_device_plugin.supervisor import Supervisor
 
-    pools = build_pools(PluginConfig())
-    seen: list[set[str]] = []
+    seen: list[NodeView] = []
 
     class Seen(Hooks):
-        def port_states(self, states: Any) -> None:
-            seen.append({d.health for d in pools[0].snapshot()[1]})
+        def published(self, view: NodeView) -> None:
+            seen.append(view)
 
-    discovery = Discovery(PluginConfig(), pools, node.sysfs, node.dev, hooks=Seen())
+    dp = short_tmp / "dp-views"
+    dp.mkdir()
+    sup = Supervisor(PluginConfig(), node.sysfs, node.dev, str(dp), Seen())
     try:
-        discovery.full()
+        sup.discovery.full()
+        sup._publish()
         node.set_port_state("mlx5_bond_1", "DOWN")
-        discovery.probe()
+        sup.discovery.probe()
+        sup._publish()
+        sup._publish()  # nothing changed: nothing published
         node.set_port_state("mlx5_bond_1", "ACTIVE")
-        discovery.probe()
+        sup.discovery.probe()
+        sup._publish()
     finally:
-        discovery.close()
-    assert seen == [{"Healthy"}, {"Unhealthy"}, {"Healthy"}]
+        sup.discovery.close()
+    assert [{d.health for d in v.pools[0].devices} for v in seen] == [{"Healthy"}, {"Unhealthy"}, {"Healthy"}]
+    assert [v.port_states["mlx5_bond_1"] for v in seen] == [("ACTIVE",), ("DOWN",), ("ACTIVE",)]
+    assert [v.pools[0].healthy for v in seen] == [1000, 0, 1000]  # the first view did not change meanwhile
 
 
 def test_render_shows_the_env_a_pod_gets_and_what_is_left_unset() -> None:

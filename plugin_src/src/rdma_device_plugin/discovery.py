@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from . import affinity, cdi, events, health, logs, nfd, numa_pools, resources
 from .config import PluginConfig
@@ -69,6 +71,9 @@ class Discovery:
             else None
         )
         self.holds: dict[str, health.Hold] = {}  # NICs held down now, by identity
+        # For the published node view (supervisor): replaced, never changed in place.
+        self.held: Mapping[str, health.Hold] = MappingProxyType({})  # the same, by name
+        self.nics: tuple[sysfs.Nic, ...] = ()  # every RDMA NIC found at the last re-list
 
     def _skipped(self, name: str, reason: str) -> None:
         """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
@@ -146,11 +151,10 @@ class Discovery:
             self._log_health(pool, before)
         self._say_uverbs()
         self.hooks.rediscovered()
-        self.hooks.nics_found(nics)
+        self.nics = tuple(nics)
         served = sorted({n.name: n for pool in self.pools for n in pool.present_nics()}.values(), key=lambda n: n.name)
         self._say_numa_less()
         self.affinity = affinity.read(self.sysfs_root, served)
-        self.hooks.affinity_found(self.affinity)
         if self.features is not None:
             self.features.update(served, self.affinity)
         self.coverage = events.link_coverage(
@@ -163,7 +167,6 @@ class Discovery:
             self._apply_states(self.port_states(self._names) or {})
         else:
             self._states = {n.name: tuple(p.state for p in n.ports) for n in nics}
-            self.hooks.port_states(self._states)
         for pool in self.pools:
             writer = self.cdi.get(pool.name)
             if writer is not None:
@@ -215,6 +218,11 @@ class Discovery:
             self._ports.close()
         self._ports = sysfs.PortStateReader(self.sysfs_root, names)
 
+    @property
+    def states(self) -> Mapping[str, tuple[str, ...] | None]:
+        """The port states applied last (replaced at every change, never changed in place)."""
+        return self._states or {}
+
     def close(self) -> None:
         if self._ports is not None:
             self._ports.close()
@@ -245,7 +253,6 @@ class Discovery:
         self._damp()
         for pool, before in zip(self.pools, befores, strict=True):
             self._log_health(pool, before)
-        self.hooks.port_states(states)  # after the pools: the status file re-reads them on this hook
 
     def _damp(self) -> None:
         """Flap damping (health.FlapDamping) of every NIC's verdict; the pools hold the NICs it holds."""
@@ -269,7 +276,7 @@ class Discovery:
             self.holds = holds
             for pool in self.pools:
                 pool.set_held(holds)
-            self.hooks.held_down({names.get(key, key): hold for key, hold in holds.items()})
+            self.held = MappingProxyType({names.get(key, key): hold for key, hold in holds.items()})
 
     def hold_due(self, now: float) -> bool:
         """A hold-down ends by now: the next probe must look even if no port changed."""

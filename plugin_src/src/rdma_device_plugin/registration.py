@@ -73,7 +73,7 @@ import grpc
 from . import sockets
 from .kubeletapi import CHECKPOINT, KUBELET_SOCKET
 from .resources import ResourcePool
-from .server import Hooks, PluginServer, SnapshotFeed, SocketVanished, StreamEvent
+from .server import Hooks, PluginServer, SocketVanished, StreamEvent
 from .supervision import Backoff, LogOnce
 
 LOG = logging.getLogger(__name__)
@@ -113,7 +113,6 @@ class Registration:
         self.name = pool.name
         self.dir = device_plugin_dir
         self.hooks = hooks
-        self.feed = SnapshotFeed(pool)
         self._on_stream = on_stream
         self._on_registered = on_registered
         self.once = once
@@ -135,6 +134,10 @@ class Registration:
         self._taken_over = False  # since the last registration: the older instances were told
         self._checkpoint_sent: tuple[int, int] | None = None  # the kubelet's checkpoint when we sent Register
         self.changes = 0  # bumped at every state change: the liveness file says so at once
+        # What the gRPC loop told us (events, in order): the servers whose kubelet stream is open,
+        # and when the kubelet first called the primary.
+        self._streaming: set[PluginServer] = set()
+        self._confirmed_at: float | None = None
 
     def _set(self, state: State) -> None:
         if state is self.state:
@@ -162,9 +165,9 @@ class Registration:
 
     @property
     def confirmed_at(self) -> float | None:
-        """When the kubelet last called our registered socket for a pod (Allocate,
+        """When the kubelet first called our registered socket for a pod (Allocate,
         GetPreferredAllocation): proof that its endpoint for the resource is ours. None without."""
-        return self.server.kubelet_called_at if self.registered and self.server is not None else None
+        return self._confirmed_at if self.registered else None
 
     # ------------------------------------------------------------------ events
 
@@ -191,15 +194,23 @@ class Registration:
         self.register_backoff.succeeded()
 
     def stream_event(self, server: PluginServer, what: str, now: float) -> None:
-        """From the gRPC loop (through the supervisor's inbox): a stream of ``server`` opened or ended."""
+        """From the gRPC loop (through the supervisor's inbox): a stream of ``server`` opened or ended,
+        or the kubelet called it."""
+        if what == "kubelet opened":
+            self._streaming.add(server)
+        elif what == "kubelet ended":
+            self._streaming.discard(server)
         if server in self.retired:
-            if not server.kubelet_stream_open:  # the kubelet let go of it: stopping it cuts nothing
+            if server not in self._streaming:  # the kubelet let go of it: stopping it cuts nothing
                 self.retired.remove(server)
                 self._stop(server)
             return
         if server is not self.server:
             return  # a stopped server's stream: it no longer speaks for the resource
-        if what == "kubelet opened":
+        if what == "kubelet called":
+            self._confirmed_at = time.time()
+            self.changes += 1
+        elif what == "kubelet opened":
             if self.state in (State.REGISTERING, State.AWAITING_STREAM):
                 self._registered()
         elif what == "kubelet ended" and self.state in (State.REGISTERED, State.AWAITING_STREAM):
@@ -264,8 +275,10 @@ class Registration:
             )
         self.once.cleared(f"register {self.name}")
         self.register_backoff.succeeded()
-        if server.kubelet_stream_open:
-            self._registered()
+        self.hooks.registered(self.name)
+        if server in self._streaming:  # its stream opened before the answer got here
+            if self.state is not State.REGISTERED:
+                self._registered()
         else:
             self._stream_deadline = time.monotonic() + STREAM_WAIT_SECONDS
             self._set(State.AWAITING_STREAM)
@@ -463,7 +476,8 @@ class Registration:
         self._cancel()  # only when our socket vanished under a Register in flight: that call is lost
         self._renew_wanted = self._gone_unexplained = False
         old, self.server = self.server, None
-        may_hold = old is not None and (old.kubelet_stream_open or self.state is State.AWAITING_STREAM)
+        may_hold = old is not None and (old in self._streaming or self.state is State.AWAITING_STREAM)
+        self._confirmed_at = None
         self._set(State.DOWN)
         self.serve_backoff.succeeded()
         self._serve(now)  # first: stopping a server holds the gRPC loop for a few ms
@@ -481,7 +495,6 @@ class Registration:
             return
         server = PluginServer(
             self.pool,
-            self.feed,
             self.dir,
             sockets.socket_name(self.name, self.starts),
             self.hooks,
@@ -535,6 +548,8 @@ class Registration:
         """Stop a server on the gRPC loop, not waiting here: its streams end there, then its file goes.
         Not while our Register is in flight: a server's stop holds the gRPC loop for a few ms, and
         the kubelet's dial-back inside Register is answered on that loop."""
+        self._streaming.discard(server)
+        server.forget()
         self._doomed.append(server)
         self._flush_stops()
 
@@ -560,4 +575,4 @@ class Registration:
 
     @property
     def kubelet_stream_open(self) -> bool:
-        return self.server is not None and self.server.kubelet_stream_open
+        return self.server is not None and self.server in self._streaming

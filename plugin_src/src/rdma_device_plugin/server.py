@@ -33,36 +33,20 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from . import logs, sockets
-from .affinity import NodeAffinity
 from .api import deviceplugin_pb2 as pb
 from .api import deviceplugin_pb2_grpc as pb_grpc
-from .health import Hold
-from .kubeletapi import API_VERSION, HEALTHY, KUBELET_SOCKET, MAX_SOCKET_PATH
-from .node.sysfs import Nic
-from .resources import AllocationError, ContainerAllocation, Device, ResourcePool
+from .kubeletapi import API_VERSION, KUBELET_SOCKET, MAX_SOCKET_PATH
+from .published import NodeView
+from .resources import AllocationError, ContainerAllocation, ResourcePool
 
 LOG = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_SECONDS = 10.0  # the kubelet's own dial-back waits up to 10 s (client.go dial)
-
-
-def device_message(device: Device) -> Any:
-    msg = pb.Device(ID=device.id, health=device.health)
-    if device.numa_node is not None:
-        msg.topology.nodes.add(ID=device.numa_node)
-    return msg
-
-
-def encode_snapshot(devices: Sequence[Device]) -> bytes:
-    """A ListAndWatchResponse on the wire."""
-    data: bytes = pb.ListAndWatchResponse(devices=[device_message(d) for d in devices]).SerializeToString()
-    return data
 
 
 def allocation_message(alloc: ContainerAllocation) -> Any:
@@ -74,18 +58,10 @@ def allocation_message(alloc: ContainerAllocation) -> Any:
     return resp
 
 
-@dataclass(frozen=True)
-class LiveStatus:
-    """What the supervisor shows the metrics at scrape time."""
-
-    loops: Mapping[str, float]  # loop name -> wall time it last completed
-    probe_failing: bool  # the health probe's last run failed
-    registered: frozenset[str]  # resources registered with the current kubelet
-    kubelet_streams: frozenset[str]  # resources whose kubelet ListAndWatch stream is open
-
-
 class Hooks:
-    """Optional observers (metrics); every method is a no-op here."""
+    """Optional observers (status file, metrics); every method is a no-op here. ``allocated`` runs on
+    the gRPC loop at every Allocate (an implementation keeps it to an append or an int); the others
+    on the supervisor's thread. What they show comes from what the supervisor publishes."""
 
     def allocated(self, resource: str, seconds: float, ok: bool) -> None: ...
 
@@ -95,14 +71,7 @@ class Hooks:
 
     def rediscovered(self) -> None: ...
 
-    def port_states(self, states: Mapping[str, tuple[str, ...] | None]) -> None: ...
-
     def pools_ready(self, pools: Sequence[ResourcePool]) -> None: ...
-
-    def nics_found(self, nics: Sequence[Nic]) -> None: ...
-
-    def affinity_found(self, node: NodeAffinity) -> None:
-        """The GPUs of every served NIC, read at a re-list."""
 
     def stream_ended(self, resource: str) -> None:
         """The kubelet's ListAndWatch stream of ``resource`` ended while serving."""
@@ -110,10 +79,11 @@ class Hooks:
     def probe_failed(self) -> None:
         """A run of the health probe failed (raised)."""
 
-    def held_down(self, holds: Mapping[str, Hold]) -> None:
-        """The NICs held down after flapping now (by name)."""
+    def published(self, view: NodeView) -> None:
+        """The supervisor published a new picture of the node (published.NodeView)."""
 
-    def supervising(self, status: Callable[[], LiveStatus]) -> None: ...
+    def supervising(self, loops: Callable[[], Mapping[str, float]]) -> None:
+        """Where to read when each step of the supervisor loop last completed (an immutable mapping)."""
 
 
 class _Loop:
@@ -164,48 +134,9 @@ class _Wake:
         event.set()
 
 
-class SnapshotFeed:
-    """A pool's ListAndWatch message, serialized once per change for every stream of every server.
-
-    The pool's first listener: it encodes in the thread that changed the pool (the supervisor's),
-    outside the pool's lock, before the servers' listeners wake their streams, which only send the
-    bytes. One per pool, for the life of the process (servers come and go)."""
-
-    def __init__(self, pool: ResourcePool) -> None:
-        self.pool = pool
-        self._lock = threading.Lock()
-        self._version = -1
-        self._data = b""
-        self._healthy = 0
-        # The last two device lists and their messages: a port that flips back and forth (shared
-        # mode: the pool's all-Healthy and all-Unhealthy lists) is encoded once per state.
-        self._encoded: list[tuple[tuple[Device, ...], bytes, int]] = []
-        pool.add_listener(self.changed)
-
-    def current(self) -> tuple[int, bytes]:
-        """(version, message bytes) of the pool's devices now."""
-        version, devices = self.pool.snapshot()
-        with self._lock:
-            if version != self._version:
-                found = next((e for e in self._encoded if e[0] == devices), None)
-                if found is None:
-                    healthy = sum(1 for d in devices if d.health == HEALTHY)
-                    found = (devices, encode_snapshot(devices), healthy)
-                    self._encoded = [found, *self._encoded[:1]]
-                _, self._data, self._healthy = found
-                self._version = version
-            return self._version, self._data
-
-    def healthy(self) -> int:
-        """Healthy devices in the message :meth:`current` last returned."""
-        return self._healthy
-
-    def changed(self) -> None:
-        self.current()
-
-
-# A stream event for the supervisor: (resource, server, what) with what one of
-# "kubelet opened", "kubelet ended", "other ended".
+# An event of a server for the supervisor: (resource, server, what) with what one of
+# "kubelet opened", "kubelet ended", "other ended" (streams) and "kubelet called" (the first Allocate
+# or GetPreferredAllocation).
 StreamEvent = Callable[[str, "PluginServer", str], None]
 
 
@@ -217,16 +148,17 @@ def _user_agent(context: Any) -> str:
 
 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
+    """Reads only ``pool.view`` (the owner's published picture), once per call: no lock, no state of
+    the pool's owner; everything else here is the gRPC loop's own."""
+
     def __init__(
         self,
         pool: ResourcePool,
-        feed: SnapshotFeed,
         wake: _Wake,
         hooks: Hooks | None = None,
         on_stream: Callable[[str], None] | None = None,
     ) -> None:
         self.pool = pool
-        self.feed = feed
         self.wake = wake
         self.hooks = hooks or Hooks()
         self.on_stream = on_stream  # "kubelet opened", "kubelet ended", "other ended"
@@ -235,13 +167,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         self.ended = asyncio.Event()  # set when stopping and no stream is open any more
         self._expect_kubelet = False  # the next stream is the kubelet's (Register was sent)
         self._kubelet_stream: object | None = None  # the kubelet's open stream
-        # Wall time of the last call the kubelet makes only on the endpoint it holds for the resource
-        # (Allocate, GetPreferredAllocation): proof that this registration is the kubelet's.
-        self.kubelet_called_at: float | None = None
-        # The AllocateResponse of each answer (pool.allocation_key per container), built once and
-        # reused until an answer of a newer NIC set comes (ContainerAllocation.generation). Read-only once built.
-        self._responses: dict[tuple[tuple[str, ...], ...], Any] = {}
-        self._responses_version = pool.allocations_version
+        self._confirmed = False  # a kubelet call came (see _kubelet_called)
 
     @property
     def kubelet_stream_open(self) -> bool:
@@ -255,23 +181,17 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
             self._kubelet_stream = None
 
     def _response(self, requests: Sequence[Sequence[str]]) -> Any:
-        allocs = [self.pool.allocate(ids) for ids in requests]  # validates the IDs every time
-        # The answers say which NIC set they were built from: the cache follows them, not the pool
-        # (a re-list after pool.allocate returned must not file the old NICs under the new set).
-        generation = allocs[0].generation
-        cacheable = all(a.generation == generation for a in allocs) and generation >= self._responses_version
-        if cacheable and generation > self._responses_version:
-            self._responses.clear()
-            self._responses_version = generation
-        key = tuple(self.pool.allocation_key(ids) for ids in requests)
-        response = self._responses.get(key) if cacheable else None
+        # One view for the whole call: the answer, and its cached response, are those of the NIC set
+        # the view describes (the AllocateResponse of each answer is built once per NIC set).
+        view = self.pool.view
+        allocs = [view.allocate(ids) for ids in requests]  # validates the IDs every time
+        key = tuple(view.rules.key(ids) for ids in requests)
+        response = view.responses.get(key)
         if response is not None:
             return response
-        if len(self._responses) >= 4096:  # bounded: a node has a handful of NICs
-            self._responses.clear()
         response = pb.AllocateResponse(container_responses=[allocation_message(a) for a in allocs])
-        if cacheable:
-            self._responses[key] = response
+        if len(view.responses) < 4096:  # bounded: a node has a handful of NICs
+            view.responses[key] = response
         # Once per new answer, not per call (the kubelet logs every allocation itself; a log line
         # per call cost more than building the answer, issue 11): what this resource hands out now.
         LOG.info(
@@ -293,7 +213,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
             self._expect_kubelet = False
             self._kubelet_stream = me
         self.streams += 1
-        version, data = self.feed.current()
+        view = self.pool.view
+        version = view.version
         LOG.info(
             "ListAndWatch opened",
             extra={"resource": self.pool.name, "kubelet": kubelet, "client": _user_agent(context)},
@@ -301,19 +222,19 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         if kubelet and self.on_stream is not None:
             self.on_stream("kubelet opened")
         try:
-            yield data
-            while not self.stopping and not self.pool.closed:
+            yield view.message
+            while not self.stopping and not view.closed:
                 event = self.wake.event
-                new_version, data = self.feed.current()
-                if new_version == version:
+                view = self.pool.view
+                if view.version == version:
                     await event.wait()
                     continue
-                version = new_version
+                version = view.version
                 LOG.info(
                     "sending snapshot",
-                    extra={"resource": self.pool.name, "healthy": self.feed.healthy(), "bytes": len(data)},
+                    extra={"resource": self.pool.name, "healthy": view.healthy, "bytes": len(view.message)},
                 )
-                yield data
+                yield view.message
         finally:
             self.streams -= 1
             if self.stopping and not self.streams:
@@ -321,7 +242,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
             ours = self._kubelet_stream is me
             if ours:
                 self._kubelet_stream = None
-            if not self.stopping and not self.pool.closed:
+            if not self.stopping and not self.pool.view.closed:
                 if ours:
                     if self.on_stream is not None:
                         self.on_stream("kubelet ended")
@@ -333,9 +254,17 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
                     if self.on_stream is not None:
                         self.on_stream("other ended")
 
+    def _kubelet_called(self) -> None:
+        """Allocate and GetPreferredAllocation come only from the kubelet, only to the endpoint it
+        holds for the resource: the first one tells the supervisor that this registration is it."""
+        if not self._confirmed:
+            self._confirmed = True
+            if self.on_stream is not None:
+                self.on_stream("kubelet called")
+
     async def Allocate(self, request: Any, context: Any) -> Any:
         start = time.perf_counter()
-        self.kubelet_called_at = time.time()
+        self._kubelet_called()
         try:
             response = self._response([list(creq.devices_ids) for creq in request.container_requests])
         except AllocationError as exc:
@@ -348,10 +277,11 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         return response
 
     async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
-        self.kubelet_called_at = time.time()
+        self._kubelet_called()
         response = pb.PreferredAllocationResponse()
+        view = self.pool.view
         for creq in request.container_requests:
-            ids = self.pool.preferred(
+            ids = view.preferred(
                 list(creq.available_deviceIDs), list(creq.must_include_deviceIDs), creq.allocation_size
             )
             response.container_responses.add(deviceIDs=ids)
@@ -390,20 +320,19 @@ class PluginServer:
     def __init__(
         self,
         pool: ResourcePool,
-        feed: SnapshotFeed,
         device_plugin_dir: str,
         socket_name: str,
         hooks: Hooks | None = None,
         on_stream: StreamEvent | None = None,
     ):
         self.pool = pool
-        self.feed = feed
         self.dir = device_plugin_dir
         self.socket_name = socket_name
         self.path = os.path.join(device_plugin_dir, socket_name)
         self.hooks = hooks or Hooks()
         self.on_stream = on_stream
         self._server: grpc.aio.Server | None = None
+        self._notify: Callable[[], None] | None = None
         self._servicer: DevicePluginServicer | None = None
         self._inode: int | None = None
 
@@ -424,7 +353,7 @@ class PluginServer:
             if self.on_stream is not None:
                 self.on_stream(self.pool.name, self, what)
 
-        servicer = DevicePluginServicer(self.pool, self.feed, wake, self.hooks, stream_event)
+        servicer = DevicePluginServicer(self.pool, wake, self.hooks, stream_event)
         handlers = _method_handlers(servicer)
 
         async def start() -> grpc.aio.Server:
@@ -447,7 +376,8 @@ class PluginServer:
         else:
             _Loop.run(server.stop(0))
             raise SocketVanished(f"plugin socket {self.path} was removed as it was bound")
-        self.pool.add_listener(wake.notify)  # after the feed's: the message is encoded when streams wake
+        self._notify = wake.notify
+        self.pool.add_listener(self._notify)  # the pool's owner publishes, then wakes our streams
         self._server, self._servicer = server, servicer
         LOG.info("serving", extra={"resource": self.pool.name, "socket": self.path})
 
@@ -465,10 +395,6 @@ class PluginServer:
     def kubelet_stream_open(self) -> bool:
         return self._servicer is not None and self._servicer.kubelet_stream_open
 
-    @property
-    def kubelet_called_at(self) -> float | None:
-        return self._servicer.kubelet_called_at if self._servicer is not None else None
-
     async def stop_async(self, grace: float = 0.5) -> None:
         """Stop serving (on the loop): the file is renamed <name>.retiring (other instances wait for
         our streams' ends), the streams end, then the file goes."""
@@ -481,7 +407,6 @@ class PluginServer:
                 os.rename(self.path, self.path + sockets.RETIRING)
         if servicer is not None:
             servicer.stopping = True
-            self.pool.remove_listener(servicer.wake.notify)
             if servicer.streams:
                 servicer.wake.notify()  # wake its streams so they end
                 with contextlib.suppress(TimeoutError):
@@ -502,11 +427,19 @@ class PluginServer:
             except FileNotFoundError:
                 pass
 
+    def forget(self) -> None:
+        """No more wake-ups from the pool (on the pool owner's thread, as every listener change)."""
+        if self._notify is not None:
+            self.pool.remove_listener(self._notify)
+            self._notify = None
+
     def stop(self, grace: float = 0.5) -> None:
+        self.forget()
         _Loop.run(self.stop_async(grace), timeout=grace + 10.0)
 
     def stop_soon(self, grace: float = 0.5) -> concurrent.futures.Future[None]:
         """Stop on the loop without waiting for it (an Allocate in flight gets its grace there)."""
+        self.forget()
         return _Loop.submit(self.stop_async(grace))
 
     def register(self, timeout: float = REGISTER_TIMEOUT_SECONDS) -> concurrent.futures.Future[None]:
@@ -533,7 +466,6 @@ class PluginServer:
         except BaseException:
             servicer.expect_kubelet(False)
             raise
-        self.hooks.registered(self.pool.name)
         LOG.info("registered with kubelet", extra={"resource": self.pool.name, "endpoint": self.socket_name})
 
 
@@ -542,6 +474,10 @@ def stop_all(
 ) -> None:
     """Stop servers together, and let the ones already stopping finish: the exit takes one grace
     period, not one per resource."""
+
+    servers = list(servers)
+    for server in servers:
+        server.forget()
 
     async def stop() -> None:
         await asyncio.gather(*(s.stop_async(grace) for s in servers))

@@ -13,29 +13,30 @@ never answers delays nothing here. Registration is one state machine per resourc
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import functools
 import logging
 import os
-import queue
 import select
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import FrameType
+from types import FrameType, MappingProxyType
 
 from . import cdi, events, logs, netchecks, nfd, numa_pools, sockets
 from .config import ConfigError, PluginConfig, load_config, socket_path_problems
 from .discovery import Discovery
 from .kubeletapi import CHECKPOINT, KUBELET_SOCKET
 from .node import sysfs
+from .published import NodeView, RegistrationView
 from .registration import Registration
 from .resources import build_pools
-from .server import Hooks, LiveStatus, PluginServer, stop_all
+from .server import Hooks, PluginServer, stop_all
 from .supervision import LogOnce, remove_health, write_health
 from .verbs import VerbsProbe, verbs_unusable_reason
 
@@ -109,7 +110,8 @@ class Supervisor:
         self.stop_event = threading.Event()
         self.once = LogOnce(LOG)
         # Events from the gRPC loop (streams, Register results), run here in order.
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # appended on the gRPC loop, popped here: a deque's append and popleft need no lock
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self.registrations = [
             Registration(pool, device_plugin_dir, self.hooks, self._stream_event, self._register_done, self.once)
             for pool in self.pools
@@ -136,7 +138,9 @@ class Supervisor:
         self._coverage_said: tuple[bool, events.LinkCoverage] | None = None
         self._kubelet_sock = os.path.join(device_plugin_dir, KUBELET_SOCKET)
         self.lock = lock or sockets.InstanceLock(device_plugin_dir)
-        self.hooks.supervising(self.live_status)
+        self._loops: Mapping[str, float] = MappingProxyType({})  # published copy of heartbeats
+        self.view: NodeView | None = None  # published for the status file and metrics (published.py)
+        self.hooks.supervising(lambda: self._loops)
 
     @staticmethod
     def _numa_nodes(config: PluginConfig, sysfs_root: str) -> tuple[int, ...]:
@@ -152,13 +156,39 @@ class Supervisor:
             )
         return nodes
 
-    def live_status(self) -> LiveStatus:
-        return LiveStatus(
-            loops=dict(self.heartbeats),
+    def _beat(self, *steps: str) -> None:
+        """A step of the loop completed: its heartbeat, published as a new immutable mapping."""
+        now = time.time()
+        for step in steps:
+            self.heartbeats[step] = now
+        self._loops = MappingProxyType(dict(self.heartbeats))
+
+    def _publish(self) -> None:
+        """Publish a new NodeView when anything in it changed (every part is replaced on change,
+        never changed in place, so comparing them is cheap)."""
+        view = NodeView(
+            pools=tuple(pool.view for pool in self.pools),
+            port_states=self.discovery.states,
+            nics=self.discovery.nics,
+            affinity=self.discovery.affinity,
+            held=self.discovery.held,
+            registrations=tuple(
+                RegistrationView(r.name, r.state.value, r.kubelet_stream_open, r.confirmed_at, r.unregistered_since)
+                for r in self.registrations
+            ),
             probe_failing=bool(self._probe_episodes),
-            registered=frozenset(r.name for r in self.registrations if r.registered),
-            kubelet_streams=frozenset(r.name for r in self.registrations if r.kubelet_stream_open),
         )
+        old = self.view
+        if (
+            old is not None
+            and all(getattr(view, f) is getattr(old, f) for f in ("port_states", "nics", "affinity", "held"))
+            and view.pools == old.pools
+            and view.registrations == old.registrations
+            and (view.probe_failing == old.probe_failing)
+        ):
+            return
+        self.view = view
+        self.hooks.published(view)
 
     # ------------------------------------------------------------------ threads
 
@@ -203,9 +233,10 @@ class Supervisor:
                 watch_due = False
                 self._watched_at = now
                 if self._supervised("socket watch", functools.partial(self._watch_sockets, slow)):
-                    self.heartbeats["watch"] = time.time()
+                    self._beat("watch")
                 self._supervised("health file", self._write_health)
                 watch_at = self._next_watch()
+            self._supervised("publish", self._publish)  # what this pass changed, for the other threads
             # A retry the pass could not act on (its due time passed) must not make this a busy loop.
             other = min(next_slow, max(watch_at, now + WATCH_SECONDS))
             woke = self._wait(min(next_probe, other) - time.monotonic())
@@ -214,7 +245,7 @@ class Supervisor:
             # Anything else (a change, a failed read, a notification) goes back to the full pass.
             while not woke and next_probe + period < other - COALESCE_SECONDS and self._unchanged():
                 next_probe = time.monotonic() + period
-                self.heartbeats["probe"] = time.time()  # a probe that succeeded: the port states are read
+                self._beat("probe")  # a probe that succeeded: the port states are read
                 woke = self._wait(next_probe - time.monotonic())
             for ready in woke:
                 if isinstance(ready, events.DirWatch) and ready is self._dir_watch:
@@ -331,7 +362,7 @@ class Supervisor:
 
     def _probe_succeeded(self, what: str) -> None:
         if what == PORT_PROBE:
-            self.heartbeats["probe"] = time.time()
+            self._beat("probe")
         episode = self._probe_episodes.pop(what, None)
         if episode is None:
             return
@@ -524,7 +555,7 @@ class Supervisor:
 
     def _post(self, event: Callable[[], None]) -> None:
         """From the gRPC loop: run ``event`` on the supervisor's thread at its next pass, which starts now."""
-        self._inbox.put(event)
+        self._inbox.append(event)
         self.wake()
 
     def _stream_event(self, resource: str, server: PluginServer, what: str) -> None:
@@ -563,12 +594,8 @@ class Supervisor:
                 for registration in self.registrations:
                     registration.kubelet_restarted()
             self._kubelet_id = kubelet
-        while True:
-            try:
-                event = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            event()
+        while self._inbox:
+            self._inbox.popleft()()
         now = time.monotonic()  # after the events: a retry they scheduled "now" is due in this pass
         for registration in self.registrations:
             registration.step(now, self._kubelet_present, slow)
@@ -640,7 +667,8 @@ class Supervisor:
             )
         if self.config.non_host_network.enabled:
             self.check_non_host_network()
-        self.heartbeats["probe"] = self.heartbeats["watch"] = time.time()
+        self._beat("probe", "watch")
+        self._publish()
         try:
             self._loop()
         finally:
