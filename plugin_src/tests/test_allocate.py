@@ -4,6 +4,7 @@ fed by a fixture node: answers are built once and reused until the NICs change (
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
+from rdma_device_plugin import nccl_env
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.config import load_config_text
@@ -158,3 +160,37 @@ def test_a_relist_between_the_answer_and_its_caching_never_keeps_the_old_nics(  
     assert relisted
     for _ in range(3):
         assert allocate(*ids)["RDMA_DEVICES"] == after
+
+
+def test_allocate_and_the_streams_are_answered_while_a_relist_is_half_done(  # type: ignore[no-untyped-def]
+    serve, node: fixtures.FixtureNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30 (one owner): a re-list held the pool lock 0.3-0.45 s at 64 NICs, and Allocate and
+    every stream waited for it. Here the re-list (bond_0 renamed) is stopped half-way, in its GID
+    reads, until the test lets it go: Allocate and a new stream are answered
+    meanwhile from the view published before it, and the re-list's NICs from the next call on."""
+    pool, allocate, server = serve("{}")
+    before = "mlx5_bond_0,mlx5_bond_1,mlx5_bond_2,mlx5_bond_3"
+    assert allocate("hca-0")["RDMA_DEVICES"] == before
+    inside, release = threading.Event(), threading.Event()
+    read_facts = nccl_env.nic_facts
+
+    def held_facts(*args: Any, **kwargs: Any) -> Any:
+        inside.set()
+        release.wait(120)  # until the test has asked its questions (a bound only against a hang)
+        return read_facts(*args, **kwargs)
+
+    monkeypatch.setattr(nccl_env, "nic_facts", held_facts)
+    relist = threading.Thread(target=rename_bond0, args=(node, pool), name="re-list")
+    relist.start()
+    try:
+        assert inside.wait(30), "the re-list never reached its GID reads"
+        assert allocate("hca-1")["RDMA_DEVICES"] == before  # the NICs of the published view
+        stub = pb_grpc.DevicePluginStub(grpc.insecure_channel(f"unix://{server.path}"))
+        first = next(iter(stub.ListAndWatch(pb.Empty(), timeout=30)))
+        assert len(first.devices) == 1000 and all(d.health == "Healthy" for d in first.devices)
+        assert relist.is_alive()  # all of that while the re-list was still half-done
+    finally:
+        release.set()
+        relist.join(30)
+    assert allocate("hca-2")["RDMA_DEVICES"] == "mlx5_bond_1,mlx5_bond_2,mlx5_bond_3,rocep31s0"

@@ -82,6 +82,34 @@ def test_status_shows_resources_nics_health_and_allocations(  # type: ignore[no-
     assert not Path(default_status_file(str(dp_dir))).exists()  # no stale status after a clean stop
 
 
+def test_status_says_what_the_plugin_knows_of_the_kubelets_side(  # type: ignore[no-untyped-def]
+    kubelet, start_plugin, dp_dir: Path
+) -> None:
+    """Issue 30: status said "registered, 1000 devices" while the kubelet's endpoint was another
+    instance's registration (allocatable 0). Now each resource says its registration, whether the
+    kubelet's stream is open, and whether the kubelet confirmed the registration (an Allocate reaches
+    only the endpoint the kubelet holds); until then the figures are said to be the plugin's own."""
+    start_plugin()
+    assert kubelet.wait_registered(RES, timeout=30)
+    doc = wait_doc(dp_dir, lambda d: bool(d["resources"]) and d["resources"][0].get("kubelet", {}).get("stream_open"))
+    seen = doc["resources"][0]["kubelet"]
+    assert (seen["registration"], seen["confirmed"], seen["unregistered_since"]) == ("registered", None, None)
+    text = status(dp_dir).stdout
+    assert "kubelet: registered, its stream open; not confirmed by the kubelet" in text
+    assert "kubectl get node" in text  # where to see the kubelet's own figures
+
+    kubelet.allocate(RES, 1, pod="p1")
+    doc = wait_doc(dp_dir, lambda d: d["resources"][0]["kubelet"]["confirmed"] is not None)
+    assert "kubelet: registered, its stream open; confirmed by its first Allocate at" in status(dp_dir).stdout
+
+    kubelet.stop()  # kubelet.sock removed, the stream ended: no longer registered, and since when
+    doc = wait_doc(dp_dir, lambda d: d["resources"][0]["kubelet"]["registration"] != "registered")
+    seen = doc["resources"][0]["kubelet"]
+    assert seen["confirmed"] is None and seen["unregistered_since"] is not None
+    line = f"kubelet: NOT registered ({seen['registration']}) since {seen['unregistered_since']}"
+    assert line in status(dp_dir).stdout
+
+
 def test_status_without_a_running_plugin_says_so(tmp_path: Path) -> None:
     out = status(tmp_path)
     assert out.returncode == 1

@@ -19,8 +19,11 @@ client, grpcurl, a client the kubelet left open) ends with a debug line and noth
 that opened a stream in the milliseconds between Register and the kubelet's own call would be taken
 for the kubelet (its end would cost one spare registration).
 
-ListAndWatch messages are serialized once per change of the pool, in the thread that changed it
-(:class:`SnapshotFeed`), and every stream sends the same bytes.
+Handlers read only what the pool's owner (the supervisor's thread) publishes: ``pool.view``, an
+immutable picture read once per call (:mod:`.resources`), whose ListAndWatch message is already
+serialized, so every stream sends the same bytes. No lock is shared with that thread: what the
+handlers learn (a stream of the kubelet opened or ended, its first Allocate) goes to the
+supervisor as an event (``on_stream``), and what the observers count on this loop stays here.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ class Hooks:
 class _Loop:
     """The one asyncio loop every plugin server and kubelet call runs on, in a daemon thread."""
 
-    _lock = threading.Lock()
+    _lock = threading.Lock()  # threads starting the loop (the supervisor's, a test's); never taken on it
     _loop: asyncio.AbstractEventLoop | None = None
     _keep: Any = None
 
@@ -292,7 +295,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
 
 
 def _method_handlers(servicer: DevicePluginServicer) -> Any:
-    """The generated service table, with ListAndWatch sending pre-serialized bytes (SnapshotFeed)."""
+    """The generated service table, with ListAndWatch sending the view's pre-serialized bytes."""
 
     class _Capture:
         handlers: dict[str, Any] = {}
