@@ -15,7 +15,7 @@ Per handover the figure is the longest stretch with allocatable 0 from the new i
 
 - race (issue 30): two instances started 0-50 ms apart, one of them (or neither) stalled for 0-3 s
   early on, the one started first gets SIGTERM once the pair settled; each trial with a kubelet of
-  its own (rdma_device_plugin.kubesim.handover, which the tests run a few times). Figures: the
+  its own (rdma_kubesim.handover, which the tests run a few times). Figures: the
   total time allocatable was below its count after first reaching it, the time from the SIGTERM
   until it was back at the count for good, and the trials that failed (not back within 1 s, or a
   pod not admitted at the end).
@@ -40,10 +40,11 @@ import tempfile
 import time
 from typing import Any
 
-from rdma_device_plugin.kubesim.handover import Plan, Trial, race_trial
-from rdma_device_plugin.kubesim.real import RealKubelet, find_binary, longest_zero_window
-from rdma_device_plugin.node import fixtures
 from report import load_average, pct
+
+from rdma_kubesim.handover import Plan, Trial, race_trial
+from rdma_kubesim.real import RealKubelet, find_binary, longest_zero_window
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 PAUSE_SECONDS = 0.3

@@ -67,7 +67,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from rdma_device_plugin.node import fixtures
+
+from rdma_node import fixtures
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent

@@ -24,9 +24,9 @@ import yaml
 from rdma_device_plugin import sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.kubesim.real import RealKubelet, find_binary
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim import KubeletSimulator
+from rdma_kubesim.real import RealKubelet, find_binary
+from rdma_node import fixtures
 
 BACKENDS = ("sim", "real")  # the kubelet simulator, the kubelet's own device manager (kubelet-dm-serve)
 

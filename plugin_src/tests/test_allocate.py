@@ -17,9 +17,9 @@ from rdma_device_plugin import nccl_env
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.config import load_config_text
-from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.resources import PoolView, ResourcePool, build_pools
 from rdma_device_plugin.server import PluginServer
+from rdma_node import fixtures, sysfs
 
 SPEC0 = next(n for n in fixtures.lingjun_node(nics=4).nics if n.name == "mlx5_bond_0")  # the conftest `node`
 SERVER_LOG = "rdma_device_plugin.server"

@@ -39,9 +39,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rdma_device_plugin.config import ConfigError, PluginConfig, load_config_data, load_config_text
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.resources import HEALTHY, ResourcePool, encode_devices
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures, sysfs
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -41,10 +41,10 @@ from conftest import (
 from rdma_device_plugin import sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.kubesim.handover import Plan, race_trial
-from rdma_device_plugin.kubesim.real import RealKubelet
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim import KubeletSimulator
+from rdma_kubesim.handover import Plan, race_trial
+from rdma_kubesim.real import RealKubelet
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 FAST: dict[str, Any] = {"health": {"intervalSeconds": 0.1}, "rediscoveryIntervalSeconds": 0.5}

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from conftest import serve_command
 
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 

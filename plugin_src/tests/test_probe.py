@@ -17,11 +17,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from rdma_device_plugin.config import load_config_text
-from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.metrics import MetricsHooks
-from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.supervision import check_health
 from rdma_device_plugin.supervisor import Supervisor
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures, sysfs
 
 RES = "rdma/hca"
 

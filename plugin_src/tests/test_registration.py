@@ -17,10 +17,10 @@ from rdma_device_plugin import resources, sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.config import PluginConfig, load_config_text
-from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.resources import build_pools
 from rdma_device_plugin.server import PluginServer
 from rdma_device_plugin.supervision import BACKOFF_INITIAL_SECONDS, REPEAT_SECONDS, Backoff
+from rdma_node import fixtures, sysfs
 
 NAME_IN_A_PID_NAMESPACE = (
     "from rdma_device_plugin import sockets; import os; print(os.getpid(), sockets.socket_name('rdma/hca', 0))"
@@ -132,7 +132,7 @@ def test_listandwatch_is_serialized_once_per_change_for_every_stream(
 def test_the_real_kubelet_is_looked_for_in_order_and_its_absence_says_where(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from rdma_device_plugin.kubesim import real
+    from rdma_kubesim import real
 
     monkeypatch.setenv(real.ENV_BINARY, str(tmp_path / "nope"))
     binary, why = real.find_binary()
@@ -150,7 +150,7 @@ def test_the_real_kubelet_is_looked_for_in_order_and_its_absence_says_where(
 
 
 def test_the_longest_allocatable_0_window_of_a_recording() -> None:
-    from rdma_device_plugin.kubesim.real import longest_zero_window
+    from rdma_kubesim.real import longest_zero_window
 
     up = {"running": True, "allocatable": {"rdma/hca": 1000}}
     down = {"running": True, "allocatable": {"rdma/hca": 0}}

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from rdma_device_plugin.health import NicHealth
-from rdma_device_plugin.node import fixtures
 from rdma_device_plugin.status import default_status_file, render
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 

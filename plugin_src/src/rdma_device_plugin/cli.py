@@ -140,8 +140,9 @@ def _healthcheck(args: argparse.Namespace) -> int:
 
 
 def _discover(args: argparse.Namespace) -> int:
+    from rdma_node import sysfs
+
     from .config import load_config
-    from .node import sysfs
 
     config = load_config(args.config)
     nics = sysfs.read_nics(args.sysfs_root, args.dev_root)
@@ -179,7 +180,7 @@ def _discover(args: argparse.Namespace) -> int:
 
 
 def _fixture(args: argparse.Namespace) -> int:
-    from .node import fixtures
+    from rdma_node import fixtures
 
     if args.spec:
         import yaml

@@ -15,9 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from rdma_node.selectors import MELLANOX_VENDOR, Selectors
+
 from . import sockets
 from .kubeletapi import MAX_MESSAGE_BYTES
-from .node.selectors import MELLANOX_VENDOR, Selectors
 
 CONFIG_VERSION = "v1"
 DEFAULT_RESOURCE = "rdma/hca"

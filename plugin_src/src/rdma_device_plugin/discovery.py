@@ -16,10 +16,11 @@ import time
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from rdma_node import sysfs
+
 from . import affinity, cdi, events, health, logs, nfd, numa_pools, resources
 from .config import PluginConfig
 from .health import NicHealth
-from .node import sysfs
 from .resources import ResourcePool
 from .server import Hooks
 from .supervision import Backoff, LogOnce

@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .node.sysfs import ACTIVE_STATES
+from rdma_node.sysfs import ACTIVE_STATES
 
 
 @dataclass(frozen=True)

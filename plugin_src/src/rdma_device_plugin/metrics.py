@@ -21,9 +21,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from rdma_node.sysfs import ACTIVE_STATES
+
 from . import __version__, affinity
 from .kubeletapi import HEALTHY, UNHEALTHY
-from .node.sysfs import ACTIVE_STATES
 from .published import NodeView
 from .resources import ResourcePool
 from .server import Hooks

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rdma_node.sysfs import Nic
+
 from .affinity import NodeAffinity
 from .health import Hold
-from .node.sysfs import Nic
 from .resources import PoolView
 
 

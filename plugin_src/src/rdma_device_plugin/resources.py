@@ -32,14 +32,15 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
+from rdma_node.selectors import Selectors
+from rdma_node.sysfs import Nic
+
 from . import cdi, nccl_env, netchecks
 from .api import deviceplugin_pb2 as pb
 from .config import PluginConfig, ResourceConfig
 from .health import Hold, NicHealth
 from .kubeletapi import HEALTHY, UNHEALTHY
 from .nccl_env import NicFacts, WorkloadEnv
-from .node.selectors import Selectors
-from .node.sysfs import Nic
 from .numa_pools import LOCAL, PoolSpec, pool_specs
 from .supervision import LogOnce
 

@@ -28,11 +28,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import FrameType, MappingProxyType
 
+from rdma_node import sysfs
+
 from . import cdi, events, logs, netchecks, nfd, numa_pools, sockets
 from .config import ConfigError, PluginConfig, load_config, socket_path_problems
 from .discovery import Discovery
 from .kubeletapi import CHECKPOINT, KUBELET_SOCKET
-from .node import sysfs
 from .published import NodeView, RegistrationView
 from .registration import Registration
 from .resources import build_pools

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..kubeletapi import HEALTHY, KUBELET_SOCKET, UNHEALTHY
+from rdma_device_plugin.kubeletapi import HEALTHY, KUBELET_SOCKET, UNHEALTHY
+
 from .kubelet import format_quantity
 
 ENV_BINARY = "RDMA_REAL_KUBELET"
 BINARY_NAME = "kubelet-dm-serve"
-# <repo root>/../shared/tools/real-kubelet/: this file is <repo>/plugin_src/src/rdma_device_plugin/kubesim/real.py
-_REPO_ROOT = Path(__file__).resolve().parents[4]
+# <repo root>/../shared/tools/real-kubelet/: this file is <repo>/plugin_src/kubesim/rdma_kubesim/real.py
+_REPO_ROOT = Path(__file__).resolve().parents[3]
 SEARCH_PATHS = (
     _REPO_ROOT.parent / "shared" / "tools" / "real-kubelet" / BINARY_NAME,
     Path("/work/shared/tools/real-kubelet") / BINARY_NAME,

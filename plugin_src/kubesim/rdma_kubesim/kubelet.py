@@ -66,9 +66,9 @@ from typing import Any, Literal
 
 import grpc
 
-from ..api import deviceplugin_pb2 as pb
-from ..api import deviceplugin_pb2_grpc as pb_grpc
-from ..kubeletapi import (
+from rdma_device_plugin.api import deviceplugin_pb2 as pb
+from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
+from rdma_device_plugin.kubeletapi import (
     API_VERSION,
     CHECKPOINT,
     HEALTHY,
@@ -77,6 +77,7 @@ from ..kubeletapi import (
     PRE_START_CONTAINER_TIMEOUT_SECONDS,
     UNHEALTHY,
 )
+
 from . import topology
 
 LOG = logging.getLogger(__name__)

@@ -32,7 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..node import fixtures
+from rdma_node import fixtures
+
 from .real import RealKubelet
 
 RES = "rdma/hca"
