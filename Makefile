@@ -7,7 +7,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo stop status prometheus-local test lint test-plugin test-chart test-ops test-molecule collection image bench bench-fleet proto clean
+.PHONY: help setup system-deps demo stop status prometheus-local test lint test-plugin test-plugin-loaded test-chart test-ops test-molecule collection image bench bench-fleet proto clean kube cluster-up cluster-down
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -30,6 +30,18 @@ system-deps: ## install the Debian packages the tests use (buildah, registry, py
 	bash scripts/setup-system.sh
 
 setup: $(VENV)/.stamp ## create .venv from the pinned requirements
+
+# Upstream Kubernetes from the modules pinned in kube/go.mod (the version is that one pin:
+# scripts/kube-bump.sh VERSION moves it). The first build compiles for tens of minutes on 2 cores and
+# prints progress; later ones come from Go's build cache in seconds.
+kube: ## build etcd, kube-apiserver, -controller-manager, -scheduler, kubectl, helm and kubelet-managers into .cache/kubernetes/<version>/bin
+	bash scripts/kube-build.sh
+
+cluster-up: setup kube ## a local control plane of upstream Kubernetes on 127.0.0.1; writes out/cluster/kubeconfig
+	$(PY) scripts/kube_cluster.py up --no-build
+
+cluster-down: ## stop every process cluster-up started
+	@if [ -x $(PY) ]; then $(PY) scripts/kube_cluster.py down; else python3 scripts/kube_cluster.py down; fi
 
 demo: setup ## the main job on the local default: validate, deploy and verify a fixture Lingjun node via Ansible
 	$(BIN)/ansible-playbook playbooks/site.yml -i inventories/local
@@ -55,28 +67,32 @@ prometheus-local: setup system-deps ## a real Prometheus with the chart's alerts
 lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src kubesim tests && $(BIN)/ruff format --check src kubesim tests
 	cd plugin_src && $(BIN)/mypy
-	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node
+	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py
 	$(BIN)/ruff check --select F,E9 plugins scripts  # modules run on nodes (any Python 3): pyflakes-level checks only
 	$(BIN)/yamllint -s .
 	bash scripts/check-proto.sh
 	if [ -d roles ] && ls roles/*/tasks >/dev/null 2>&1; then $(BIN)/ansible-lint; fi
 
-test-plugin: setup ## plugin unit and integration tests (real gRPC over unix sockets)
+test-plugin: setup kube ## plugin unit and integration tests (real gRPC over unix sockets)
 	$(PY) -m pytest plugin_src/tests --junitxml=out/test-results/plugin.xml
 
-test-chart: setup system-deps ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL, promtool and a real Prometheus)
+test-plugin-loaded: setup system-deps kube ## the plugin tests with stress-ng --cpu 2 beside them (they must not flake on a loaded machine)
+	stress-ng --cpu 2 --timeout 3600 --quiet & pid=$$!; \
+	  $(PY) -m pytest plugin_src/tests --junitxml=out/test-results/plugin-loaded.xml; rc=$$?; kill $$pid; wait $$pid 2>/dev/null; exit $$rc
+
+test-chart: setup system-deps kube ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL, promtool and a real Prometheus)
 	$(PY) -m pytest charts/rdma-device-plugin/tests --junitxml=out/test-results/chart.xml
 
-test-ops: setup ## automation and docs: example inventory offline check, typed variables, uninstall, runnable doc blocks
+test-ops: setup kube ## automation and docs: example inventory offline check, typed variables, uninstall, runnable doc blocks
 	$(PY) -m pytest tests --junitxml=out/test-results/ops.xml
 
-test-molecule: setup system-deps ## every molecule scenario, for real on localhost
+test-molecule: setup system-deps kube ## every molecule scenario, for real on localhost
 	bash scripts/run-molecule.sh
 
 collection: setup ## a plain `ansible-galaxy collection build` of this repository, installed, and a playbook outside it running validate, deploy (render only) and verify by FQCN
 	bash scripts/build-collection.sh --check
 
-test: setup system-deps ## everything CI runs; ends with one "N passed, N failed" line
+test: setup system-deps kube ## everything CI runs; ends with one "N passed, N failed" line
 	rm -rf out/test-results
 	$(MAKE) --no-print-directory lint test-plugin test-chart test-ops test-molecule collection
 	$(PY) scripts/test-summary.py out/test-results

@@ -28,12 +28,15 @@ import grpc
 import pytest
 import yaml
 from conftest import (
+    FIXED_KINDS,
+    REREGISTRATION_KINDS,
     ScriptedPlugin,
     device,
     free_port,
     plugin_socket,
     real_kubelet_binary,
     serve_command,
+    start_kind,
     start_kubelet,
     stop_kubelet,
 )
@@ -465,12 +468,15 @@ def test_a_debugging_clients_streams_ending_change_nothing(  # type: ignore[no-u
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["sim-1.28-1.34", "real-1.32"])
 def test_the_kubelet_cutting_its_stream_gets_a_registration_at_once(  # type: ignore[no-untyped-def]
-    kubelet: Kubelet, start_plugin, dp_dir: Path
+    start_plugin, dp_dir: Path, short_tmp: Path, kind: str
 ) -> None:
     """A 1.28-1.34 kubelet cuts the client registered now when an older client's stream of the
     resource ends (kubernetes 121994): another plugin registered rdma/hca first, the real one
-    registers, the other's stream ends. The plugin registers again at once, not after a backoff."""
+    registers, the other's stream ends. The plugin registers again at once, not after a backoff.
+    (v1.37 cuts only the other client: test_handover_to_a_new_instance[real] shows it.)"""
+    kubelet = start_kind(kind, dp_dir, short_tmp)
     other = ScriptedPlugin(dp_dir, "other.sock", RES)
     try:
         other.register()
@@ -487,6 +493,7 @@ def test_the_kubelet_cutting_its_stream_gets_a_registration_at_once(  # type: ig
         assert "Traceback" not in out
     finally:
         other.stop()
+        stop_kubelet(kubelet)
 
 
 # --------------------------------------------------------------------------- handover between two instances
@@ -519,7 +526,7 @@ def _health(path: Path) -> dict[str, Any]:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("slow", [False, True], ids=["plain", "slow"])
-@pytest.mark.parametrize("kind", ["sim-1.28-1.34", "sim-fixed", "real"])
+@pytest.mark.parametrize("kind", REREGISTRATION_KINDS)
 def test_handover_to_a_new_instance(  # type: ignore[no-untyped-def]
     start_plugin, dp_dir: Path, short_tmp: Path, kind: str, slow: bool
 ) -> None:
@@ -528,14 +535,11 @@ def test_handover_to_a_new_instance(  # type: ignore[no-untyped-def]
     kubelet holds the new one's stream it renames the old one's socket, the old one stands down and
     removes it when its streams are over.
 
-    Kubelets with PR 135437 (endpoints by socket path): allocatable never drops to 0. Kubelets
-    1.28-1.34 (the simulator's default, and the real v1.32.10): the old stream's end cuts the new
-    client, which registers again on a fresh socket once the old one's streams are over: one short
-    window at 0, no backoff in it."""
-    if kind == "real":
-        kubelet: Kubelet = RealKubelet(str(dp_dir), binary=real_kubelet_binary(), klog=str(short_tmp / "k.log")).start()
-    else:
-        kubelet = KubeletSimulator(str(dp_dir), reregistration="fixed" if kind == "sim-fixed" else "buggy").start()
+    Kubelets with PR 135437 (endpoints by socket path, the real v1.37): allocatable never drops to
+    0. Kubelets 1.28-1.34 (the simulator's default, and the real v1.32): the old stream's end cuts
+    the new client, which registers again on a fresh socket once the old one's streams are over: one
+    short window at 0, no backoff in it."""
+    kubelet = start_kind(kind, dp_dir, short_tmp)
     try:
         old = start_plugin(FAST)
         assert kubelet.wait_registered(RES, timeout=30), old.output()
@@ -558,7 +562,7 @@ def test_handover_to_a_new_instance(  # type: ignore[no-untyped-def]
             if a.get("allocatable", {}).get(RES) and not b.get("allocatable", {}).get(RES)
         )
         out = new.output()
-        if kind == "sim-fixed":
+        if kind in FIXED_KINDS:
             assert zero_windows == 0, record["transitions"]
             assert "the kubelet ended the ListAndWatch stream" not in out
         else:
@@ -635,12 +639,14 @@ def test_an_older_instances_register_reaching_the_kubelet_last_never_leaves_0(  
 
 
 @pytest.mark.timeout(600)
-def test_two_instances_racing_against_the_kubelets_device_manager(short_tmp: Path) -> None:
-    """Issue 30, against the kubelet's own v1.32 device manager: two instances started 0-50 ms apart,
-    one of them stalled (SIGSTOP) for 0-3 s early on, then the one started first exits. Every trial
-    ends at the full count within 1 s of that exit, with a live endpoint (a pod is admitted).
-    bench/bench_handover.py runs a hundred of these and reports the time below the count."""
-    binary = real_kubelet_binary()
+@pytest.mark.parametrize("version", ["1.37", "1.32"])
+def test_two_instances_racing_against_the_kubelets_device_manager(short_tmp: Path, version: str) -> None:
+    """Issue 30, against the kubelet's own device manager (v1.37: endpoints by socket path; v1.32:
+    the 1.28-1.34 cut of the client registered last): two instances started 0-50 ms apart, one of
+    them stalled (SIGSTOP) for 0-3 s early on, then the one started first exits. Every trial ends
+    at the full count within 1 s of that exit, with a live endpoint (a pod is admitted).
+    bench/bench_handover.py runs a hundred of these on each version and reports the time below the count."""
+    binary = real_kubelet_binary(version)
     node = fixtures.write_node(str(short_tmp / "node"), fixtures.lingjun_node(nics=4))
     rng = random.Random(30)
     for i in range(6):

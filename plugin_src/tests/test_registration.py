@@ -129,24 +129,34 @@ def test_listandwatch_is_serialized_once_per_change_for_every_stream(
     assert healthy == [1000, 0, 1000, 0]
 
 
-def test_the_real_kubelet_is_looked_for_in_order_and_its_absence_says_where(
+def test_the_real_kubelet_is_found_through_the_build_script_and_its_absence_names_the_fix(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """find_binary(version): an environment variable names a binary, else scripts/kube-build.sh says
+    where `make kube` put it; a missing build names `make kube`. The simulator package lives outside
+    the plugin's now (plugin_src/kubesim): the build script is still found from its file."""
     from rdma_kubesim import real
 
-    monkeypatch.setenv(real.ENV_BINARY, str(tmp_path / "nope"))
-    binary, why = real.find_binary()
-    assert binary is None and f"${real.ENV_BINARY}={tmp_path / 'nope'} is not an executable file" in why
-    monkeypatch.delenv(real.ENV_BINARY)
-    missing = (tmp_path / "a" / real.BINARY_NAME, tmp_path / "b" / real.BINARY_NAME)
-    monkeypatch.setattr(real, "SEARCH_PATHS", missing)
-    binary, why = real.find_binary()
-    assert binary is None and str(missing[0]) in why and str(missing[1]) in why and real.ENV_BINARY in why
-    found = tmp_path / "b" / real.BINARY_NAME
+    assert Path(__file__).resolve().parents[2] / "scripts" / "kube-build.sh" == real._BUILD_SCRIPT
+    assert real._BUILD_SCRIPT.exists()
+    for version, (env_name, _, _) in real.BINARIES.items():
+        monkeypatch.setenv(env_name, str(tmp_path / "nope"))
+        binary, why = real.find_binary(version)
+        assert binary is None and f"${env_name}={tmp_path / 'nope'} is not an executable file" in why
+        monkeypatch.delenv(env_name)
+    script = tmp_path / "kube-build.sh"
+    script.write_text(f"echo {tmp_path / 'bin'}\n", encoding="utf-8")
+    monkeypatch.setattr(real, "_BUILD_SCRIPT", script)
+    binary, why = real.find_binary("1.32")
+    assert binary is None and str(tmp_path / "bin" / "kubelet-dm-serve") in why and "`make kube`" in why
+    found = tmp_path / "bin" / "kubelet-dm-serve"
     found.parent.mkdir()
     found.write_text("#!/bin/sh\n", encoding="utf-8")
     found.chmod(0o755)
-    assert real.find_binary() == (str(found), "")
+    assert real.find_binary("1.32") == (str(found), "")
+    monkeypatch.setattr(real, "_BUILD_SCRIPT", tmp_path / "missing.sh")
+    binary, why = real.find_binary()
+    assert binary is None and "not a checkout of the repository" in why and "$RDMA_REAL_KUBELET" in why
 
 
 def test_the_longest_allocatable_0_window_of_a_recording() -> None:

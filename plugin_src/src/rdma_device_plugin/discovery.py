@@ -75,6 +75,8 @@ class Discovery:
         # For the published node view (supervisor): replaced, never changed in place.
         self.held: Mapping[str, health.Hold] = MappingProxyType({})  # the same, by name
         self.nics: tuple[sysfs.Nic, ...] = ()  # every RDMA NIC found at the last re-list
+        self.state_changes: Mapping[tuple[str, int], int] = MappingProxyType({})  # (nic, port) -> changes seen
+        self._counted: Mapping[str, tuple[str, ...] | None] = {}  # the states the counts last compared
 
     def _skipped(self, name: str, reason: str) -> None:
         """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
@@ -168,6 +170,7 @@ class Discovery:
             self._apply_states(self.port_states(self._names) or {})
         else:
             self._states = {n.name: tuple(p.state for p in n.ports) for n in nics}
+            self._count_changes(self._states)
         for pool in self.pools:
             writer = self.cdi.get(pool.name)
             if writer is not None:
@@ -248,12 +251,29 @@ class Discovery:
                 self._damp()  # a hold-down may have ended
             return  # nothing changed: the common case at every fast probe
         self._states = states
+        self._count_changes(states)
         befores = [pool.health_state() for pool in self.pools]
         for pool in self.pools:
             pool.set_port_states(states)
         self._damp()
         for pool, before in zip(self.pools, befores, strict=True):
             self._log_health(pool, before)
+
+    def _count_changes(self, states: Mapping[str, tuple[str, ...] | None]) -> None:
+        """Every port whose state differs from the last states seen counts a change (a NIC appearing
+        or vanishing is none): rdma_dp_port_state_changes_total, which the flap alert reads."""
+        counts: dict[tuple[str, int], int] | None = None
+        for nic, now in states.items():
+            before = self._counted.get(nic)
+            if now is None or before is None:
+                continue
+            for i, (old, new) in enumerate(zip(before, now, strict=False), start=1):
+                if old != new:
+                    counts = dict(self.state_changes) if counts is None else counts
+                    counts[(nic, i)] = counts.get((nic, i), 0) + 1
+        if counts is not None:
+            self.state_changes = MappingProxyType(counts)  # replaced: a published view keeps its own
+        self._counted = states
 
     def _damp(self) -> None:
         """Flap damping (health.FlapDamping) of every NIC's verdict; the pools hold the NICs it holds."""

@@ -7,7 +7,12 @@ table: docs/operations.md ("Metrics"). Gauges that describe state are read at sc
 what the supervisor last published (published.NodeView, the loops' heartbeats): immutable, so a
 scrape takes no lock the supervisor or the gRPC loop takes. Allocate is counted on the gRPC loop
 in plain numbers only that loop writes (no prometheus_client lock on that path); the scrape reads
-copies.
+copies. The port map is replaced by every probe (it lists every RDMA device on the node), so a NIC
+that vanished drops out of ``rdma_dp_port_*`` and ``rdma_dp_nic_info``; while a pool still holds
+it (health.vanishGraceSeconds) it shows as ``rdma_dp_port_state{state="GONE"}`` and an Unhealthy NIC
+in ``rdma_dp_pool_nics``; port state changes are counted by their owner (discovery) and published
+with the view. With a sysfs root, the NICs' own port counters are exported too, read at scrape
+time (:mod:`.port_counters`) for the NICs of the last published re-list.
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rdma_node.sysfs import ACTIVE_STATES
+from rdma_node.sysfs import ACTIVE_STATES, Nic
 
-from . import __version__, affinity
+from . import __version__, affinity, port_counters
 from .kubeletapi import HEALTHY, UNHEALTHY
 from .published import NodeView
 from .resources import ResourcePool
@@ -69,7 +74,26 @@ class _StateCollector(Collector):
         yield devices
         active = GaugeMetricFamily("rdma_dp_port_active", "1 when the RDMA port is ACTIVE", labels=["nic", "port"])
         state = GaugeMetricFamily("rdma_dp_port_state", "Current RDMA port state (1)", labels=["nic", "port", "state"])
-        for nic, states in sorted(view.port_states.items()):
+        changes = CounterMetricFamily(
+            "rdma_dp_port_state_changes",
+            "Port state changes the plugin observed (probe or link event), for flap alerts over a window",
+            labels=["nic", "port"],
+        )
+        pool_nics = GaugeMetricFamily(
+            "rdma_dp_pool_nics",
+            "NICs a resource's pool holds, by health: a vanished NIC counts Unhealthy until health.vanishGraceSeconds",
+            labels=["resource", "health"],
+        )
+        ports = dict(view.port_states)
+        gone: set[str] = set()
+        for pool in view.pools:
+            healthy = sum(1 for n in pool.summary if n["healthy"])
+            pool_nics.add_metric([pool.name, HEALTHY], healthy)
+            pool_nics.add_metric([pool.name, UNHEALTHY], len(pool.summary) - healthy)
+            gone.update(str(n["name"]) for n in pool.summary if not n["present"])
+        for nic in sorted(gone - {n for n, s in ports.items() if s is not None}):
+            ports[nic] = None  # held by a pool, gone from sysfs: marked until the pool lets it go
+        for nic, states in sorted(ports.items()):
             if states is None:
                 active.add_metric([nic, "1"], 0)
                 state.add_metric([nic, "1", "GONE"], 1)
@@ -77,8 +101,11 @@ class _StateCollector(Collector):
             for i, s in enumerate(states, start=1):
                 active.add_metric([nic, str(i)], 1 if s in ACTIVE_STATES else 0)
                 state.add_metric([nic, str(i), s], 1)
+                changes.add_metric([nic, str(i)], view.state_changes.get((nic, i), 0))
         yield active
         yield state
+        yield changes
+        yield pool_nics
         yield from self._nics(view)
         yield from self._live(view)
 
@@ -176,7 +203,7 @@ class _StateCollector(Collector):
 
 
 class MetricsHooks(Hooks):
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, sysfs_root: str | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.view: NodeView | None = None  # what the supervisor published last
         self.loops: Callable[[], Mapping[str, float]] = lambda: MappingProxyType({})
@@ -200,6 +227,8 @@ class MetricsHooks(Hooks):
             "rdma_dp_probe_failures", "Runs of the health probe that failed (raised)", registry=self.registry
         )
         self.registry.register(_StateCollector(self))
+        if sysfs_root is not None:
+            self.registry.register(port_counters.PortCountersCollector(sysfs_root, self._present_nics))
 
     # ------------------------------------------------------------------ Hooks
 
@@ -235,6 +264,11 @@ class MetricsHooks(Hooks):
 
     def supervising(self, loops: Callable[[], Mapping[str, float]]) -> None:
         self.loops = loops
+
+    def _present_nics(self) -> list[Nic]:
+        """The NICs of the last published re-list (the port counters' scrape reads theirs)."""
+        view = self.view
+        return list(view.nics) if view is not None else []
 
     def pools_ready(self, pools: Sequence[ResourcePool]) -> None:
         for mode in sorted({pool.mode for pool in pools}):

@@ -9,7 +9,8 @@ and hands to the hooks (``Hooks.published``): one reference, so a reader sees on
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from rdma_node.sysfs import Nic
 
@@ -36,6 +37,8 @@ class NodeView:
     held: Mapping[str, Hold]  # NICs held down after flapping, by name
     registrations: tuple[RegistrationView, ...]
     probe_failing: bool
+    # (nic, port) -> port state changes seen since the start (discovery counts them)
+    state_changes: Mapping[tuple[str, int], int] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def registered(self) -> frozenset[str]:

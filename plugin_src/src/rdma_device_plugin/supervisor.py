@@ -178,11 +178,15 @@ class Supervisor:
                 for r in self.registrations
             ),
             probe_failing=bool(self._probe_episodes),
+            state_changes=self.discovery.state_changes,
         )
         old = self.view
         if (
             old is not None
-            and all(getattr(view, f) is getattr(old, f) for f in ("port_states", "nics", "affinity", "held"))
+            and all(
+                getattr(view, f) is getattr(old, f)
+                for f in ("port_states", "nics", "affinity", "held", "state_changes")
+            )
             and view.pools == old.pools
             and view.registrations == old.registrations
             and (view.probe_failing == old.probe_failing)
@@ -711,7 +715,7 @@ def _serve(args: argparse.Namespace, lock: sockets.InstanceLock) -> int:
     if metrics_address:
         from .metrics import MetricsHooks
 
-        metrics = MetricsHooks()
+        metrics = MetricsHooks(sysfs_root=args.sysfs_root)  # port counters read from it at scrape time
         try:
             host, port = metrics.serve(metrics_address)
         except (OSError, ValueError) as exc:
