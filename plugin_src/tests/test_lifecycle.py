@@ -253,13 +253,20 @@ def test_device_plugin_dir_removed_then_recreated(  # type: ignore[no-untyped-de
         assert kubelet.allocatable(RES) == 1000
         out = plugin.output()
         assert "kubelet.sock is missing" in out
-        # Logged once per episode, not per retry: each warning is followed by its recovery line
-        # before another can come. (With the real kubelet a second episode can occur: its start
-        # empties the re-created dir while the plugin serves there again.)
-        warned = out.count("WARNING rdma_device_plugin.supervisor: cannot serve rdma/hca")
-        assert 1 <= warned <= 2 and out.count("serving rdma/hca again") == warned, out[-3000:]
-        episodes = re.findall(r"WARNING +\S+: cannot serve rdma/hca|INFO +\S+: serving rdma/hca again", out)
-        assert [e.split(": ")[1] for e in episodes] == ["cannot serve rdma/hca", "serving rdma/hca again"] * warned, out
+        # Logged once per episode and reason, not per retry: within an episode a warning comes again
+        # only when its reason changes (the dir is missing, then the kubelet's start empties the
+        # re-created dir under the socket being bound), and each episode ends with one recovery
+        # line. (With the real kubelet a second episode can occur for the same reason.)
+        pattern = r"WARNING +\S+: cannot serve rdma/hca at \S+ \((.*)\); retrying|INFO +\S+: (serving rdma/hca again)"
+        episodes: list[list[str]] = [[]]
+        for reason, recovered in re.findall(pattern, out):
+            if recovered:
+                assert episodes[-1], f"a recovery line with no warning before it:\n{out[-3000:]}"
+                episodes.append([])
+            else:
+                assert reason not in episodes[-1][-1:], f"the same warning twice in one episode:\n{out[-3000:]}"
+                episodes[-1].append(reason)
+        assert episodes[-1] == [] and 2 <= len(episodes) <= 3, out[-3000:]
         assert "Traceback" not in out
     finally:
         stop_kubelet(kubelet)

@@ -137,6 +137,7 @@ def test_the_real_kubelet_is_found_through_the_build_script_and_its_absence_name
     the plugin's now (plugin_src/kubesim): the build script is still found from its file."""
     from rdma_kubesim import real
 
+    # The build script is found from the simulator package's own file
     assert Path(__file__).resolve().parents[2] / "scripts" / "kube-build.sh" == real._BUILD_SCRIPT
     assert real._BUILD_SCRIPT.exists()
     for version, (env_name, _, _) in real.BINARIES.items():
@@ -144,19 +145,24 @@ def test_the_real_kubelet_is_found_through_the_build_script_and_its_absence_name
         binary, why = real.find_binary(version)
         assert binary is None and f"${env_name}={tmp_path / 'nope'} is not an executable file" in why
         monkeypatch.delenv(env_name)
+    # Not a checkout: no build script to ask, so the variable is the way
+    monkeypatch.setattr(real, "_BUILD_SCRIPT", tmp_path / "absent.sh")
+    binary, why = real.find_binary()
+    assert binary is None and real.ENV_BINARY in why and "absent.sh" in why
+    assert "not a checkout of the repository" in why
+    # A checkout where `make kube` has not run: the script names the directory, the binary is missing
+    bin_dir = tmp_path / "bin"
     script = tmp_path / "kube-build.sh"
-    script.write_text(f"echo {tmp_path / 'bin'}\n", encoding="utf-8")
+    script.write_text(f'[ "$1" = --print-bin ] && echo {bin_dir}\n', encoding="utf-8")
     monkeypatch.setattr(real, "_BUILD_SCRIPT", script)
-    binary, why = real.find_binary("1.32")
-    assert binary is None and str(tmp_path / "bin" / "kubelet-dm-serve") in why and "`make kube`" in why
-    found = tmp_path / "bin" / "kubelet-dm-serve"
-    found.parent.mkdir()
+    binary, why = real.find_binary()
+    assert binary is None and "make kube" in why and str(bin_dir / real.BINARY_NAME) in why
+    bin_dir.mkdir()
+    found = bin_dir / real.BINARY_NAME
     found.write_text("#!/bin/sh\n", encoding="utf-8")
     found.chmod(0o755)
-    assert real.find_binary("1.32") == (str(found), "")
-    monkeypatch.setattr(real, "_BUILD_SCRIPT", tmp_path / "missing.sh")
-    binary, why = real.find_binary()
-    assert binary is None and "not a checkout of the repository" in why and "$RDMA_REAL_KUBELET" in why
+    assert real.find_binary() == (str(found), "")
+    assert real.find_binary("1.32")[0] is None  # the other version is asked with its own flag
 
 
 def test_the_longest_allocatable_0_window_of_a_recording() -> None:
