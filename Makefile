@@ -14,14 +14,14 @@ help: ## list the targets
 
 # One line per package collected, downloaded and then installed (a few minutes and about 1.3 GB on a
 # first run, seconds from the pip cache): scripts/pip_progress.py.
-$(VENV)/.stamp: requirements-dev.txt plugin_src/pyproject.toml
+$(VENV)/.stamp: requirements-dev.txt plugin_src/pyproject.toml plugins/module_utils/pyproject.toml plugin_src/kubesim/pyproject.toml
 	@echo "setup [1/3] $(VENV): Python virtual environment"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@echo "setup [2/3] requirements-dev.txt (ansible, molecule, helm engine, test tools)"
 	@$(PY) scripts/pip_progress.py -r requirements-dev.txt
-	@echo "setup [3/3] the plugin (editable, from plugin_src/)"
-	@$(PY) -m pip install -q -e plugin_src
+	@echo "setup [3/3] the plugin, the node package and the kubelet simulator (editable: plugin_src/, plugins/module_utils/, plugin_src/kubesim/)"
+	@$(PY) -m pip install -q -e plugins/module_utils -e plugin_src -e plugin_src/kubesim
 	@touch $@
 	@echo "setup done: $(VENV)"
 
@@ -60,7 +60,7 @@ prometheus-local: setup system-deps ## a real Prometheus with the chart's alerts
 	  $(PY) scripts/prometheus_local.py --target $$target --node lingjun-node-0 --port 0 $(PROMETHEUS_ARGS)
 
 lint: setup ## ruff, mypy, yamllint, actionlint (workflows), ansible-lint, generated-code drift
-	cd plugin_src && $(BIN)/ruff check src tests && $(BIN)/ruff format --check src tests
+	cd plugin_src && $(BIN)/ruff check src kubesim tests && $(BIN)/ruff format --check src kubesim tests
 	cd plugin_src && $(BIN)/mypy
 	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py
 	$(BIN)/ruff check --select F,E9 plugins scripts  # modules run on nodes (any Python 3): pyflakes-level checks only

@@ -23,11 +23,12 @@ from typing import Any
 
 import grpc
 import yaml
+
 from rdma_device_plugin import sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 

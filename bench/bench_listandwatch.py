@@ -28,11 +28,12 @@ import time
 
 import grpc
 import yaml
+from report import load_average, pct
+
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.node import fixtures
-from report import load_average, pct
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 DEVICES = 100_000

@@ -34,12 +34,13 @@ from typing import Any
 import grpc
 import report
 import yaml
+
 from rdma_device_plugin import sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.config import PluginConfig
-from rdma_device_plugin.kubesim import KubeletSimulator, netns
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim import KubeletSimulator, netns
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 # Raw seconds per figure, for the plot: {"RPC latency": {"exclusive, 1 caller: Allocate": [...]}, ...}

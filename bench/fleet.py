@@ -82,7 +82,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from rdma_device_plugin.node import fixtures
+
+from rdma_node import fixtures
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent

@@ -31,7 +31,7 @@ listing=$(tar tzvf "$tarball")
 if grep -q '^l' <<<"$listing"; then fail "the tarball holds symlinks: $(grep '^l' <<<"$listing" | head -3)"; fi
 names=$(tar tzf "$tarball")
 for unwanted in plugin_src/ molecule/ tests/ bench/ docs/ inventories/ scripts/ collections/ .venv/ out/ \
-  ansible.cfg Makefile requirements-dev.txt charts/rdma-device-plugin/tests/; do
+  ansible.cfg Makefile requirements-dev.txt charts/rdma-device-plugin/tests/ plugins/module_utils/pyproject.toml; do
   if grep -q "^${unwanted}" <<<"$names"; then fail "the tarball holds repository-only $unwanted"; fi
 done
 for wanted in plugins/modules/rdma_node_info.py plugins/action/rdma_verify.py plugins/filter/rdma_typed.py \

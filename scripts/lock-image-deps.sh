@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate plugin_src/requirements.lock (runtime dependencies of the image) and
-# plugin_src/requirements-build.lock (the setuptools the wheel is built with) with sha256 hashes,
+# plugin_src/requirements-build.lock (setuptools and flit_core, the backends the plugin's and the node
+# package's wheels are built with) with sha256 hashes,
 # for the image's platform: CPython 3.11 on linux x86_64 (Debian bookworm's python3).
 # The Dockerfile installs both with `pip install --require-hashes`, so a changed or substituted
 # file on the index fails the build instead of landing in the image.
@@ -43,6 +44,6 @@ lock requirements.lock \
   "# Runtime dependencies of the container image, installed with pip --require-hashes." \
   "# Versions: keep in step with requirements-dev.txt. Hashes: scripts/lock-image-deps.sh (CPython 3.11, linux x86_64)."
 lock requirements-build.lock \
-  "# What the image's builder stage builds the plugin wheel with (pip wheel --no-build-isolation)," \
+  "# What the image's builder stage builds the plugin's and the node package's wheels with (pip wheel --no-build-isolation)," \
   "# installed with pip --require-hashes. Hashes: scripts/lock-image-deps.sh (CPython 3.11, linux x86_64)."
 echo "lock-image-deps: wrote plugin_src/requirements.lock and plugin_src/requirements-build.lock"

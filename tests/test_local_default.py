@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import yaml
-from conftest import BIN, processes, run_playbook
+from conftest import BIN, ROOT, ansible_env, processes, run_playbook
 
 
 def _work(inventory: Path) -> str:
@@ -58,7 +59,7 @@ def test_free_metrics_port_kept_across_runs_and_stopped(local: Path) -> None:
 
 
 def test_a_second_simulator_on_one_directory_refuses(tmp_path: Path) -> None:
-    run = [str(BIN / "python"), "-m", "rdma_device_plugin.sim_cli", "run", "--dir", str(tmp_path / "dp")]
+    run = [str(BIN / "python"), "-m", "rdma_kubesim.sim_cli", "run", "--dir", str(tmp_path / "dp")]
     first = subprocess.Popen([*run, "--status-file", str(tmp_path / "a.json")])
     try:
         deadline = time.monotonic() + 30
@@ -86,3 +87,42 @@ def test_verify_shows_the_nccl_env_a_pod_gets(local: Path) -> None:
     nics = ",".join(f"mlx5_bond_{i}" for i in range(4))  # shared mode: every NIC of the fixture node
     assert f"NCCL_IB_HCA=={nics} " in out, out[-3000:]  # key=value, the value's "=" is NCCL's exact match
     assert "UCX_NET_DEVICES=mlx5_bond_0:1," in out, out[-3000:]
+
+
+def test_an_interpreter_without_the_simulator_is_named_with_the_fix(tmp_path: Path) -> None:
+    """The kubelet simulator is a development package (rdma_kubesim, not in the image): an interpreter
+    without it (or without the plugin) is refused before anything starts, naming both and the fix."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    config = tmp_path / "config.yaml"
+    config.write_text("mode: shared\n")
+    args = {
+        "run_dir": str(tmp_path / "run"),
+        "python": str(bare / "bin" / "python"),
+        "config_path": str(config),
+        **{k: str(tmp_path / k) for k in ("sysfs_root", "procfs_root", "dev_root", "device_plugin_dir")},
+        "status_file": str(tmp_path / "status.json"),
+    }
+    run = subprocess.run(
+        [
+            str(BIN / "ansible"),
+            "localhost",
+            "-c",
+            "local",
+            "-m",
+            "lingjun.rdma.rdma_local_plugin",
+            "-a",
+            json.dumps(args),
+        ],
+        cwd=ROOT,
+        env={**ansible_env(), "ANSIBLE_STDOUT_CALLBACK": "json", "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    result = json.loads(run.stdout)["plays"][0]["tasks"][0]["hosts"]["localhost"]
+    assert result.get("failed"), result
+    assert result["msg"].startswith(f"python {bare / 'bin' / 'python'} lacks rdma_device_plugin rdma_kubesim: "), result
+    assert "make setup" in result["msg"] and "rdma_local_python" in result["msg"]
+    assert not (tmp_path / "run").exists()  # nothing started, nothing recorded

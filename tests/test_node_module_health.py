@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from conftest import node_info, node_info_run
-from rdma_device_plugin.node import fixtures
+
+from rdma_node import fixtures
 
 ROW_KEYS = {"name", "nic", "netdev", "gpu", "passed", "skipped", "warning", "message", "role"}
 SUMMARY_KEYS = {"health", "not_checked", "gpus", "gid_index", "gid_family", "mtu", "bonds", "pcie_degraded",

@@ -8,7 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from conftest import node_info
-from rdma_device_plugin.node import fixtures
+
+from rdma_node import fixtures
 
 
 def test_non_utf8_names_in_module_json(tmp_path: Path) -> None:

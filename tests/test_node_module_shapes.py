@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 from conftest import node_info, node_info_run
-from rdma_device_plugin.node import fixtures
+
+from rdma_node import fixtures
 
 
 def _fact(root: Path, spec: fixtures.NodeSpec, **options: Any) -> dict[str, Any]:

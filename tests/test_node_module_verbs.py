@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from conftest import node_info
-from rdma_device_plugin.node import fixtures
+
+from rdma_node import fixtures
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 

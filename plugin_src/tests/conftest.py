@@ -24,9 +24,9 @@ import yaml
 from rdma_device_plugin import sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.kubesim.real import RealKubelet, find_binary
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim import KubeletSimulator
+from rdma_kubesim.real import RealKubelet, find_binary
+from rdma_node import fixtures
 
 BACKENDS = ("sim", "real")  # the kubelet simulator, the kubelet's own device manager (v1.37, make kube)
 
@@ -109,7 +109,7 @@ def kubelet(request: pytest.FixtureRequest, dp_dir: Path, short_tmp: Path) -> It
 
 def plugin_socket(dp_dir: Path, resource: str = "rdma/hca") -> Path:
     """The socket the newest plugin instance serves for ``resource`` (names: rdma_device_plugin.sockets)."""
-    found = sockets.instances(str(dp_dir), resource)
+    found = [s for s in sockets.instances(str(dp_dir), resource) if not s.retiring]
     assert found, f"no socket of {resource} in {dp_dir}: {sorted(os.listdir(dp_dir))}"
     return dp_dir / found[-1].name
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rdma_device_plugin import affinity
-from rdma_device_plugin.node import fixtures, sysfs
+from rdma_node import fixtures, sysfs
 
 
 def _read(tmp: Path, spec: fixtures.NodeSpec) -> affinity.NodeAffinity:

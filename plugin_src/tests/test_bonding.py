@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rdma_device_plugin.node import fixtures, netdev
+from rdma_node import fixtures, netdev
 
 # Linux 6.x, read as root (CAP_NET_ADMIN adds the system and active-aggregator lines and the
 # per-slave "details ... lacp pdu" blocks, indented).

@@ -10,8 +10,8 @@ from typing import Any
 import jsonschema
 
 from rdma_device_plugin import cdi
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.node import fixtures, sysfs
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures, sysfs
 
 RES = "rdma/hca"
 KIND = "rdma.lingjun.io/hca"

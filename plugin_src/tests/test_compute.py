@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rdma_device_plugin.node import compute, fixtures, sysfs
+from rdma_node import compute, fixtures, sysfs
 
 
 def _read(root: Path, spec: fixtures.NodeSpec) -> list[sysfs.Nic]:

@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from rdma_device_plugin.node import dcb
+from rdma_node import dcb
 
 NLA_F_NESTED = 0x8000
 

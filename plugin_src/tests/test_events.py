@@ -16,8 +16,8 @@ import pytest
 from conftest import PluginProcess
 
 from rdma_device_plugin import events
-from rdma_device_plugin.kubesim import KubeletSimulator, netns
-from rdma_device_plugin.node import fixtures, sysfs
+from rdma_kubesim import KubeletSimulator, netns
+from rdma_node import fixtures, sysfs
 
 RES = "rdma/hca"
 

@@ -12,9 +12,9 @@ from conftest import plugin_socket
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.kubesim.real import RealKubelet
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim import KubeletSimulator
+from rdma_kubesim.real import RealKubelet
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 EXCLUSIVE = {"version": "v1", "mode": "exclusive"}

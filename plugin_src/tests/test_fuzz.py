@@ -39,10 +39,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rdma_device_plugin.config import ConfigError, PluginConfig, load_config_data, load_config_text
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.node import fixtures, sysfs
-from rdma_device_plugin.resources import HEALTHY, ResourcePool
-from rdma_device_plugin.server import device_message
+from rdma_device_plugin.resources import HEALTHY, ResourcePool, encode_devices
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures, sysfs
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -422,7 +421,7 @@ def test_read_nics_never_raises_nor_reports_a_broken_nic_healthy(
         pool.set_port_states(states)
         after_probe = {d.id: d.health for d in pool.snapshot()[1]}
         for d in pool.snapshot()[1]:
-            device_message(d)  # what ListAndWatch sends: must encode (e.g. NUMA within int64)
+            encode_devices([d])  # what ListAndWatch sends: must encode (e.g. NUMA within int64)
         for i, (identifiable, selected, healthy) in expected.items():
             name = f"mlx5_bond_{i}"
             context = f"{name} fault={faults[i]!r}"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rdma_device_plugin.node import fixtures, gids, sysfs
-from rdma_device_plugin.node.sysfs import Gid, Port
+from rdma_node import fixtures, gids, sysfs
+from rdma_node.sysfs import Gid, Port
 
 LL = "fe80:0000:0000:0000:bace:f6ff:fe1a:0001"
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from rdma_device_plugin.node import fixtures, healthchecks, sysfs
-from rdma_device_plugin.node.checks import Check
-from rdma_device_plugin.node.healthchecks import Expectations
+from rdma_node import fixtures, healthchecks, sysfs
+from rdma_node.checks import Check
+from rdma_node.healthchecks import Expectations
 
 NODE = fixtures.lingjun_node(nics=4)
 HEALTHY_NAMES = {

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rdma_device_plugin.node import fixtures, ipv6checks, sysfs
+from rdma_node import fixtures, ipv6checks, sysfs
 
 PER_NETDEV = ["ipv6_enabled", "ipv6_global_address", "ipv6_route", "roce_v2_gid"]
 

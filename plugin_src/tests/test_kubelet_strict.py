@@ -30,9 +30,9 @@ from conftest import (
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubesim import CHECKPOINT, AllocationFailed, KubeletSimulator, topology
-from rdma_device_plugin.kubesim.kubelet import checkpoint_checksum, is_extended_resource_name
-from rdma_device_plugin.kubesim.real import RealKubelet, RealKubeletError
+from rdma_kubesim import CHECKPOINT, AllocationFailed, KubeletSimulator, topology
+from rdma_kubesim.kubelet import checkpoint_checksum, is_extended_resource_name
+from rdma_kubesim.real import RealKubelet, RealKubeletError
 
 RES = "example.com/dev"
 Kubelet = KubeletSimulator | RealKubelet

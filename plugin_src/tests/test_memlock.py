@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rdma_device_plugin.node import memlock
-from rdma_device_plugin.node.memlock import Limit
+from rdma_node import memlock
+from rdma_node.memlock import Limit
 
 
 def test_this_process_limits() -> None:

@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.metrics import parse_address
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 

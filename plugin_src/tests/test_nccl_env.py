@@ -12,8 +12,8 @@ import pytest
 from rdma_device_plugin import nccl_env
 from rdma_device_plugin.config import ConfigError, load_config_data
 from rdma_device_plugin.nccl_env import EnvSettings, nic_facts, workload_env
-from rdma_device_plugin.node import fixtures, gids, sysfs
-from rdma_device_plugin.node.sysfs import Gid
+from rdma_node import fixtures, gids, sysfs
+from rdma_node.sysfs import Gid
 
 HOST = EnvSettings()
 POD = EnvSettings(host_network=False)

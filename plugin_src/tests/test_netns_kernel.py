@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from rdma_device_plugin.kubesim.netns import Netns
-from rdma_device_plugin.kubesim.netns import available as netns_available
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim.netns import Netns
+from rdma_kubesim.netns import available as netns_available
+from rdma_node import fixtures
 
 pytestmark = pytest.mark.skipif(netns_available() is not None, reason=f"network namespaces: {netns_available()}")
 
 READ = """
 import json, sys
-from rdma_device_plugin.node import ipv6checks, procfs, sysfs
+from rdma_node import ipv6checks, procfs, sysfs
 nics = sysfs.read_nics(sys.argv[1], sys.argv[2])
 checks = ipv6checks.read_and_check(nics, sys.argv[1], "/proc")
 print(json.dumps({
@@ -119,7 +119,7 @@ def test_ipv6_checks_read_a_real_kernel_network_stack(short_tmp: Path, netns: Ne
 
 HEALTH = """
 import json, subprocess, sys, time
-from rdma_device_plugin.node import dcb, healthchecks, lossless, sysfs
+from rdma_node import dcb, healthchecks, lossless, sysfs
 root, dev = sys.argv[1], sys.argv[2]
 nics = sysfs.read_nics(root, dev)
 want = healthchecks.Expectations(counter_interval=1.5)

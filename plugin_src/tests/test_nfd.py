@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from rdma_device_plugin import nfd
-from rdma_device_plugin.kubesim import KubeletSimulator, netns
-from rdma_device_plugin.node import fixtures, sysfs
+from rdma_kubesim import KubeletSimulator, netns
+from rdma_node import fixtures, sysfs
 
 # Kubernetes qualified label names (apimachinery IsQualifiedName): optional DNS-subdomain prefix + "/"
 # + a name of at most 63 characters.

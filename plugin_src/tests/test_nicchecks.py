@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rdma_device_plugin.node import fixtures, ipv6checks, nicchecks, selectors, sysfs
+from rdma_node import fixtures, ipv6checks, nicchecks, selectors, sysfs
 
 LINGJUN = nicchecks.Expectations(
     expected_nics=4, link_layer="Ethernet", rate_gbps=200, min_driver_version="24.10-1.1.4", min_fw_version="28.39.1002"

@@ -10,8 +10,8 @@ import yaml
 from conftest import serve_command
 
 from rdma_device_plugin import netchecks
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.node import fixtures, sysfs
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures, sysfs
 
 RES = "rdma/hca"
 NHN = {"version": "v1", "nonHostNetwork": {"enabled": True}}

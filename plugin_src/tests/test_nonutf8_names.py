@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.node import fixtures, ipv6checks, sysfs, text
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures, ipv6checks, sysfs, text
 
 # os-level names: surrogateescape for the bytes 0xff and 0xfe, which are never UTF-8
 ODD_NIC, ODD_NETDEV = "mlx5_bond_\udcff0", "bond\udcfe0"

@@ -11,9 +11,9 @@ import pytest
 from rdma_device_plugin import cdi, numa_pools
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.config import ConfigError, load_config_data
-from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.resources import RDMA_CM_PATH as RDMA_CM
 from rdma_device_plugin.resources import ResourcePool, build_pools
+from rdma_node import fixtures, sysfs
 
 
 def test_numa_pools_make_a_pool_per_numa_node_and_a_local_pool() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rdma_device_plugin.node import fixtures, healthchecks, perftest, sysfs
+from rdma_node import fixtures, healthchecks, perftest, sysfs
 
 # ib_write_bw -D 5 --report_gbits on a ConnectX-7 RoCE port (duration mode: no peak figure)
 REAL_OUTPUT = """---------------------------------------------------------------------------------------

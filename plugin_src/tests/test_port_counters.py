@@ -13,9 +13,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rdma_device_plugin import port_counters
-from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.metrics import MetricsHooks
-from rdma_device_plugin.node import fixtures, portcounters, sysfs
+from rdma_device_plugin.published import EMPTY_AFFINITY, NodeView
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures, portcounters, sysfs
 
 RES = "rdma/hca"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -47,8 +48,13 @@ def _collector_rig(
 
     monkeypatch.setattr(portcounters, "read_port", recording)
     hooks = MetricsHooks(sysfs_root=fx.sysfs)
-    hooks.nics_found(sysfs.read_nics(fx.sysfs, fx.dev))
+    relisted(hooks, fx)
     return hooks, reads
+
+
+def relisted(hooks: MetricsHooks, fx: fixtures.FixtureNode) -> None:
+    """What the supervisor publishes after a re-list: the node's NICs (the counters' scrape reads theirs)."""
+    hooks.published(NodeView((), {}, tuple(sysfs.read_nics(fx.sysfs, fx.dev)), EMPTY_AFFINITY, {}, (), False))
 
 
 def test_counters_read_at_scrape_time_only(node: fixtures.FixtureNode, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,7 +113,7 @@ def test_saturated_counters_are_marked(node: fixtures.FixtureNode, monkeypatch: 
 def test_a_vanished_nic_is_not_read(node: fixtures.FixtureNode, monkeypatch: pytest.MonkeyPatch) -> None:
     hooks, reads = _collector_rig(node, monkeypatch)
     node.remove_nic("mlx5_bond_3")
-    hooks.nics_found(sysfs.read_nics(node.sysfs, node.dev))  # the re-list that follows a removal
+    relisted(hooks, node)  # the re-list that follows a removal
     m = _parse(generate_latest(hooks.registry).decode())
     assert ("mlx5_bond_3", 1) not in reads
     assert not [k for k in m if dict(k[1]).get("nic") == "mlx5_bond_3"]

@@ -10,9 +10,9 @@ import pytest
 
 from rdma_device_plugin.config import PluginConfig
 from rdma_device_plugin.discovery import Discovery
-from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.resources import HEALTHY, UNHEALTHY, build_pools
 from rdma_device_plugin.server import Hooks
+from rdma_node import fixtures, sysfs
 
 
 class Count(Hooks):

@@ -12,11 +12,11 @@ import pytest
 
 from rdma_device_plugin.config import load_config_data
 from rdma_device_plugin.discovery import Discovery
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.node import fixtures
-from rdma_device_plugin.node import verbs as node_verbs
 from rdma_device_plugin.resources import build_pools
 from rdma_device_plugin.verbs import VerbsProbe, load_pyverbs_device
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures
+from rdma_node import verbs as node_verbs
 
 RES = "rdma/hca"
 

@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.supervision import check_ready
+from rdma_kubesim import KubeletSimulator
 
 RES = "rdma/hca"
 WAIT = 60.0

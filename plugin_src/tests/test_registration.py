@@ -13,14 +13,14 @@ from typing import Any
 import grpc
 import pytest
 
-from rdma_device_plugin import server, sockets
+from rdma_device_plugin import resources, sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.config import PluginConfig, load_config_text
-from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.resources import build_pools
-from rdma_device_plugin.server import PluginServer, SnapshotFeed
+from rdma_device_plugin.server import PluginServer
 from rdma_device_plugin.supervision import BACKOFF_INITIAL_SECONDS, REPEAT_SECONDS, Backoff
+from rdma_node import fixtures, sysfs
 
 NAME_IN_A_PID_NAMESPACE = (
     "from rdma_device_plugin import sockets; import os; print(os.getpid(), sockets.socket_name('rdma/hca', 0))"
@@ -84,16 +84,16 @@ def test_listandwatch_is_serialized_once_per_change_for_every_stream(
     """Ten open streams, three health changes: every stream gets the same bytes, encoded once (they
     were built and serialized per stream, on the loop that answers Allocate: 40 encodings here)."""
     calls: list[int] = []
-    encode = server.encode_snapshot
+    encode = resources.encode_devices
 
     def counting(devices: Any) -> bytes:
         calls.append(len(devices))
         return encode(devices)
 
-    monkeypatch.setattr(server, "encode_snapshot", counting)
+    monkeypatch.setattr(resources, "encode_devices", counting)
     pool = build_pools(PluginConfig())[0]
     pool.set_nics(sysfs.read_nics(node.sysfs, node.dev))
-    plugin = PluginServer(pool, SnapshotFeed(pool), str(dp_dir), "feed.sock")
+    plugin = PluginServer(pool, str(dp_dir), "feed.sock")
     plugin.start()
     received: list[list[bytes]] = []
 
@@ -132,16 +132,24 @@ def test_listandwatch_is_serialized_once_per_change_for_every_stream(
 def test_the_real_kubelet_is_found_through_the_build_script_and_its_absence_names_the_fix(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from rdma_device_plugin.kubesim import real
+    """find_binary(version): an environment variable names a binary, else scripts/kube-build.sh says
+    where `make kube` put it; a missing build names `make kube`. The simulator package lives outside
+    the plugin's now (plugin_src/kubesim): the build script is still found from its file."""
+    from rdma_kubesim import real
 
-    monkeypatch.setenv(real.ENV_BINARY, str(tmp_path / "nope"))
-    binary, why = real.find_binary()
-    assert binary is None and f"${real.ENV_BINARY}={tmp_path / 'nope'} is not an executable file" in why
-    monkeypatch.delenv(real.ENV_BINARY)
+    # The build script is found from the simulator package's own file
+    assert Path(__file__).resolve().parents[2] / "scripts" / "kube-build.sh" == real._BUILD_SCRIPT
+    assert real._BUILD_SCRIPT.exists()
+    for version, (env_name, _, _) in real.BINARIES.items():
+        monkeypatch.setenv(env_name, str(tmp_path / "nope"))
+        binary, why = real.find_binary(version)
+        assert binary is None and f"${env_name}={tmp_path / 'nope'} is not an executable file" in why
+        monkeypatch.delenv(env_name)
     # Not a checkout: no build script to ask, so the variable is the way
     monkeypatch.setattr(real, "_BUILD_SCRIPT", tmp_path / "absent.sh")
     binary, why = real.find_binary()
     assert binary is None and real.ENV_BINARY in why and "absent.sh" in why
+    assert "not a checkout of the repository" in why
     # A checkout where `make kube` has not run: the script names the directory, the binary is missing
     bin_dir = tmp_path / "bin"
     script = tmp_path / "kube-build.sh"
@@ -158,7 +166,7 @@ def test_the_real_kubelet_is_found_through_the_build_script_and_its_absence_name
 
 
 def test_the_longest_allocatable_0_window_of_a_recording() -> None:
-    from rdma_device_plugin.kubesim.real import longest_zero_window
+    from rdma_kubesim.real import longest_zero_window
 
     up = {"running": True, "allocatable": {"rdma/hca": 1000}}
     down = {"running": True, "allocatable": {"rdma/hca": 0}}

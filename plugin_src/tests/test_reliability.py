@@ -27,9 +27,9 @@ from conftest import plugin_socket
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubesim import CHECKPOINT, AllocationFailed, KubeletSimulator
-from rdma_device_plugin.kubesim.real import RealKubelet, RealKubeletError
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim import CHECKPOINT, AllocationFailed, KubeletSimulator
+from rdma_kubesim.real import RealKubelet, RealKubeletError
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 Kubelet = KubeletSimulator | RealKubelet

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rdma_device_plugin.config import load_config_text
-from rdma_device_plugin.node import fixtures, sysfs
 from rdma_device_plugin.resources import AllocationError, ResourcePool, build_pools, preferred_allocation
+from rdma_node import fixtures, sysfs
 
 
 def pool_for(node: fixtures.FixtureNode, text: str = "") -> ResourcePool:

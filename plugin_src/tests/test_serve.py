@@ -17,8 +17,8 @@ from conftest import plugin_socket, serve_command
 from rdma_device_plugin import sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.kubesim import CHECKPOINT, AllocationFailed, KubeletSimulator
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim import CHECKPOINT, AllocationFailed, KubeletSimulator
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 

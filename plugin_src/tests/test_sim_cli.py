@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rdma_device_plugin.kubesim import sim_cli
+from rdma_kubesim import sim_cli
 
 RES = "rdma/hca"
 
@@ -39,7 +39,7 @@ def test_status_file_allocate_and_sigterm(short_tmp: Path, dp_dir: Path, start_p
         [
             sys.executable,
             "-m",
-            "rdma_device_plugin.kubesim.sim_cli",
+            "rdma_kubesim.sim_cli",
             "--dir",
             str(dp_dir),
             "--status-file",
@@ -73,7 +73,7 @@ def test_status_file_allocate_and_sigterm(short_tmp: Path, dp_dir: Path, start_p
         assert sim_cli.call(control, {"op": "nope"})["error"] == "unknown op 'nope'"
 
         cli = subprocess.run(
-            [sys.executable, "-m", "rdma_device_plugin.kubesim.sim_cli", "status", "--control-socket", control],
+            [sys.executable, "-m", "rdma_kubesim.sim_cli", "status", "--control-socket", control],
             capture_output=True,
             text=True,
             check=True,

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from rdma_device_plugin.health import NicHealth
-from rdma_device_plugin.node import fixtures
 from rdma_device_plugin.status import default_status_file, render
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 
@@ -82,6 +82,34 @@ def test_status_shows_resources_nics_health_and_allocations(  # type: ignore[no-
     assert not Path(default_status_file(str(dp_dir))).exists()  # no stale status after a clean stop
 
 
+def test_status_says_what_the_plugin_knows_of_the_kubelets_side(  # type: ignore[no-untyped-def]
+    kubelet, start_plugin, dp_dir: Path
+) -> None:
+    """Issue 30: status said "registered, 1000 devices" while the kubelet's endpoint was another
+    instance's registration (allocatable 0). Now each resource says its registration, whether the
+    kubelet's stream is open, and whether the kubelet confirmed the registration (an Allocate reaches
+    only the endpoint the kubelet holds); until then the figures are said to be the plugin's own."""
+    start_plugin()
+    assert kubelet.wait_registered(RES, timeout=30)
+    doc = wait_doc(dp_dir, lambda d: bool(d["resources"]) and d["resources"][0].get("kubelet", {}).get("stream_open"))
+    seen = doc["resources"][0]["kubelet"]
+    assert (seen["registration"], seen["confirmed"], seen["unregistered_since"]) == ("registered", None, None)
+    text = status(dp_dir).stdout
+    assert "kubelet: registered, its stream open; not confirmed by the kubelet" in text
+    assert "kubectl get node" in text  # where to see the kubelet's own figures
+
+    kubelet.allocate(RES, 1, pod="p1")
+    doc = wait_doc(dp_dir, lambda d: d["resources"][0]["kubelet"]["confirmed"] is not None)
+    assert "kubelet: registered, its stream open; confirmed by its first Allocate at" in status(dp_dir).stdout
+
+    kubelet.stop()  # kubelet.sock removed, the stream ended: no longer registered, and since when
+    doc = wait_doc(dp_dir, lambda d: d["resources"][0]["kubelet"]["registration"] != "registered")
+    seen = doc["resources"][0]["kubelet"]
+    assert seen["confirmed"] is None and seen["unregistered_since"] is not None
+    line = f"kubelet: NOT registered ({seen['registration']}) since {seen['unregistered_since']}"
+    assert line in status(dp_dir).stdout
+
+
 def test_status_without_a_running_plugin_says_so(tmp_path: Path) -> None:
     out = status(tmp_path)
     assert out.returncode == 1
@@ -138,41 +166,49 @@ def test_status_hooks_forward_every_hook_to_the_wrapped_one(tmp_path: Path) -> N
             args = [() for _ in list(inspect.signature(getattr(Hooks, name)).parameters)[1:]]
             if name == "allocated":
                 args = ["rdma/hca", 0.001, True]
-            if name == "affinity_found":  # a real one: the status writer thread reads its .nics
-                from rdma_device_plugin.affinity import NodeAffinity
+            if name == "published":  # a real one: the status writer thread reads it
+                from rdma_device_plugin.published import EMPTY_AFFINITY, NodeView
 
-                args = [NodeAffinity(nics={}, gpus=(), gpu_closest={})]
+                args = [NodeView((), {}, (), EMPTY_AFFINITY, {}, (), False)]
             getattr(hooks, name)(*args)
     finally:
         hooks.stop()
     assert sorted(calls) == sorted(names)
 
 
-def test_port_state_hook_fires_once_the_pools_applied_the_change(node: fixtures.FixtureNode) -> None:
-    """The status-file writer sleeps until a hook fires and then re-reads the pools (no periodic
-    rewrite): a hook fired before the pools apply a change would leave a stale allocatable there."""
+def test_the_published_view_is_the_pools_after_each_change(node: fixtures.FixtureNode, short_tmp: Path) -> None:
+    """The status-file writer and the metrics read only what the supervisor publishes: every view
+    it publishes shows the pools after the change (never before it), and a view once published
+    never changes, whatever the pools do next (one owner, issue 30)."""
     from rdma_device_plugin.config import PluginConfig
-    from rdma_device_plugin.discovery import Discovery
-    from rdma_device_plugin.resources import build_pools
+    from rdma_device_plugin.published import NodeView
     from rdma_device_plugin.server import Hooks
+    from rdma_device_plugin.supervisor import Supervisor
 
-    pools = build_pools(PluginConfig())
-    seen: list[set[str]] = []
+    seen: list[NodeView] = []
 
     class Seen(Hooks):
-        def port_states(self, states: Any) -> None:
-            seen.append({d.health for d in pools[0].snapshot()[1]})
+        def published(self, view: NodeView) -> None:
+            seen.append(view)
 
-    discovery = Discovery(PluginConfig(), pools, node.sysfs, node.dev, hooks=Seen())
+    dp = short_tmp / "dp-views"
+    dp.mkdir()
+    sup = Supervisor(PluginConfig(), node.sysfs, node.dev, str(dp), Seen())
     try:
-        discovery.full()
+        sup.discovery.full()
+        sup._publish()
         node.set_port_state("mlx5_bond_1", "DOWN")
-        discovery.probe()
+        sup.discovery.probe()
+        sup._publish()
+        sup._publish()  # nothing changed: nothing published
         node.set_port_state("mlx5_bond_1", "ACTIVE")
-        discovery.probe()
+        sup.discovery.probe()
+        sup._publish()
     finally:
-        discovery.close()
-    assert seen == [{"Healthy"}, {"Unhealthy"}, {"Healthy"}]
+        sup.discovery.close()
+    assert [{d.health for d in v.pools[0].devices} for v in seen] == [{"Healthy"}, {"Unhealthy"}, {"Healthy"}]
+    assert [v.port_states["mlx5_bond_1"] for v in seen] == [("ACTIVE",), ("DOWN",), ("ACTIVE",)]
+    assert [v.pools[0].healthy for v in seen] == [1000, 0, 1000]  # the first view did not change meanwhile
 
 
 def test_render_shows_the_env_a_pod_gets_and_what_is_left_unset() -> None:

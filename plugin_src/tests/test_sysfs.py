@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rdma_device_plugin.node import fixtures, sysfs
-from rdma_device_plugin.node.selectors import Selectors
+from rdma_node import fixtures, sysfs
+from rdma_node.selectors import Selectors
 
 
 def test_class_entries_are_symlinks_into_devices(node: fixtures.FixtureNode) -> None:

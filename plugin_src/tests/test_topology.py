@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rdma_device_plugin.node import fixtures, pcie, sysfs, topology
-from rdma_device_plugin.node.topology import Placement
+from rdma_node import fixtures, pcie, sysfs, topology
+from rdma_node.topology import Placement
 
 
 @pytest.mark.parametrize(

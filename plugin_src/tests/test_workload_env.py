@@ -23,10 +23,10 @@ from gpu_stub import RESOURCE as GPU
 from gpu_stub import GpuStubPlugin
 from prometheus_client.parser import text_string_to_metric_families
 
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.kubesim.real import RealKubelet
-from rdma_device_plugin.node import fixtures
 from rdma_device_plugin.status import default_status_file
+from rdma_kubesim import KubeletSimulator
+from rdma_kubesim.real import RealKubelet
+from rdma_node import fixtures
 
 RES = "rdma/hca"
 NODE0 = "mlx5_bond_0,mlx5_bond_1"  # the fixture node's NICs on NUMA node 0 ...

@@ -10,7 +10,7 @@ module: rdma_local_plugin
 short_description: Keep the kubelet simulator and C(rdma-device-plugin serve) running against a fixture node
 description:
   - The local deploy target, without a cluster. Starts two detached background processes on the node,
-    the kubelet simulator (C(python -m rdma_device_plugin.sim_cli), which writes the node status to
+    the kubelet simulator (C(python -m rdma_kubesim.sim_cli), which writes the node status to
     O(status_file)) and the plugin (C(python -m rdma_device_plugin serve --config ...)), and waits until
     the simulator reports every resource of the config registered.
   - Idempotent. Process ids and a fingerprint of each process's command line and config file are kept in
@@ -36,7 +36,9 @@ options:
     type: path
     required: true
   python:
-    description: Python interpreter with the C(rdma_device_plugin) package (default the module's own).
+    description:
+      - Python interpreter with the C(rdma_device_plugin) package and the kubelet simulator, C(rdma_kubesim)
+        (a development package, installed by C(make setup)); default the module's own.
     type: path
   config_path:
     description: Plugin config file (the one extracted from the rendered chart).
@@ -122,7 +124,8 @@ import time
 from ansible.module_utils.basic import AnsibleModule
 
 STATE_FILE = "local-plugin.json"
-MARKER = "rdma_device_plugin"
+# What a recorded pid must still be running to be ours: the plugin, or the simulator (rdma_kubesim).
+MARKERS = ("rdma_device_plugin", "rdma_kubesim")
 
 
 def _cmdline(pid):
@@ -142,7 +145,8 @@ def _running(pid):
                 return False
     except OSError:
         return False
-    return MARKER in _cmdline(pid)
+    cmdline = _cmdline(pid)
+    return any(marker in cmdline for marker in MARKERS)
 
 
 def _stop(pid, timeout=10.0):
@@ -255,6 +259,14 @@ def _stop_all(state):
 
 
 # Prints the plugin's socket-path (or config) problems for (config, device-plugin dir); exits 1 if any.
+# The two packages the processes run (the simulator is a development package, not in the image).
+_PACKAGES_CHECK = """
+import importlib.util, sys
+missing = [m for m in ("rdma_device_plugin", "rdma_kubesim") if importlib.util.find_spec(m) is None]
+print(" ".join(missing))
+sys.exit(1 if missing else 0)
+"""
+
 _SOCKET_CHECK = """
 import sys
 from rdma_device_plugin.config import ConfigError, load_config, socket_path_problems
@@ -312,6 +324,14 @@ def main():
         module.fail_json(msg=f"plugin config {p['config_path']} does not exist")
     # The plugin's own rule (config.socket_path_problems: every pool's longest socket name), asked
     # before anything starts, so a long device_plugin_dir is named here and not in a log.
+    rc, out, err = module.run_command([python, "-c", _PACKAGES_CHECK])
+    if rc != 0:
+        module.fail_json(
+            msg=f"python {python} lacks {(out or err).strip()}: the local default runs the plugin and the kubelet "
+            "simulator with it; run make setup (it installs plugin_src, plugins/module_utils and plugin_src/kubesim "
+            "into .venv), or set rdma_local_python to an interpreter that has them",
+            rc=rc,
+        )
     rc, out, err = module.run_command([python, "-c", _SOCKET_CHECK, p["config_path"], p["device_plugin_dir"]])
     if rc != 0:
         module.fail_json(msg=f"device_plugin_dir {p['device_plugin_dir']}: {(out or err).strip()}", rc=rc)
@@ -324,7 +344,7 @@ def main():
         resources = [r.get("name", "rdma/hca") for r in config.get("resources", [{}])]
 
     sim_cmd = [
-        python, "-m", "rdma_device_plugin.sim_cli", "run",
+        python, "-m", "rdma_kubesim.sim_cli", "run",
         "--dir", p["device_plugin_dir"],
         "--status-file", p["status_file"],
         "--node-name", p["node_name"],

@@ -9,15 +9,15 @@ module: rdma_node_info
 short_description: Read a node's RDMA NICs, kernel modules, IPv6 compute network and node health
 description:
   - Reads sysfs, procfs and /dev through the project's one reader
-    (C(rdma_device_plugin.node), shipped to the node as the C(rdma_node) module_utils
-    package), applies the device plugin's NIC selectors and returns plain data.
-  - The node-health checks (C(rdma_device_plugin.node.healthchecks), listed with their sources,
+    (C(rdma_node), the package the plugin installs too, shipped to the node as module_utils),
+    applies the device plugin's NIC selectors and returns plain data.
+  - The node-health checks (C(rdma_node.healthchecks), listed with their sources,
     thresholds and fixes in C(docs/validation-checks.md)) read PCIe links, MTU, bonds and LACP,
     lossless RoCE, port counters, the NCCL GID index, GPU-NIC topology, GPUDirect RDMA and the
     container runtime's memlock limit in the same run. Reading needs no root.
   - Never changes the node. Supports check mode and always reports C(changed=false). Only
     I(perftest) loads the NICs (a bounded ib_write_bw loopback, off by default).
-  - Only the compute NICs are validated (C(rdma_device_plugin.node.compute)) - physical functions
+  - Only the compute NICs are validated (C(rdma_node.compute)) - physical functions
     (an RDMA device on an SR-IOV VF is listed and counted, never checked), selected as compute by
     link layer and/or a RoCE v2 GID on the compute network (I(compute_link_types),
     I(compute_networks)) or by name (I(compute_nics)); the other selected NICs are listed as
@@ -281,9 +281,9 @@ node:
     checks:
       description: >-
         Finished check results by role, C(rdma_nic_validate) (from
-        C(rdma_device_plugin.node.nicchecks)) and C(ipv6_compute_validate) (from
-        C(rdma_device_plugin.node.ipv6checks)); each C({name, nic, passed, message}), the message
-        without the node's name. C(rdma_node_health) (from C(rdma_device_plugin.node.healthchecks),
+        C(rdma_node.nicchecks)) and C(ipv6_compute_validate) (from
+        C(rdma_node.ipv6checks)); each C({name, nic, passed, message}), the message
+        without the node's name. C(rdma_node_health) (from C(rdma_node.healthchecks),
         empty with I(health) false) rows are C({name, nic, netdev, gpu, passed, skipped, message,
         role}): C(skipped) true means not checked (the message says why; C(passed) is true so that
         it fails no node, unless I(fail_not_checked)); an unexpected error of the health read is one
@@ -342,7 +342,7 @@ node:
     ipv6_checks:
       description: >-
         The IPv6 compute-network checks of the selected NICs, computed by the plugin's own
-        C(rdma_device_plugin.node.ipv6checks) (the one implementation; the plugin runs the same
+        C(rdma_node.ipv6checks) (the one implementation; the plugin runs the same
         at start): every applicable check with C(name) (C(netns_mode), C(ipv6_compute_netdevs),
         C(ipv6_enabled), C(ipv6_global_address), C(ipv6_route), C(roce_v2_gid)), C(nic),
         C(netdev) and C(gpu) (null when none), C(passed), C(skipped) (false), C(problem) and C(fix)

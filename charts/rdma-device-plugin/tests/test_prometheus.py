@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rdma_device_plugin.kubesim import KubeletSimulator
-from rdma_device_plugin.node import fixtures
+from rdma_kubesim import KubeletSimulator
+from rdma_node import fixtures
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
 from prometheus_local import Prometheus, chart_for_keys, free_port  # noqa: E402

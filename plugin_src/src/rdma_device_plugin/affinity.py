@@ -1,7 +1,7 @@
 """GPU-NIC affinity as the plugin shows it: per NIC, the GPUs that share its PCIe switch, root port or
 NUMA node (status, the ``rdma_dp_nic_info`` labels, NFD labels).
 
-The PCIe tree is read by the one reader (:mod:`.node.pcie`) and compared by :mod:`.node.topology`,
+The PCIe tree is read by the one reader (:mod:`rdma_node.pcie`) and compared by :mod:`rdma_node.topology`,
 the same code the node validation uses; :func:`read` is the only I/O here (once per re-list: the
 NICs' PCI functions and the node's GPUs), the rest is pure.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .node import pcie, topology
-from .node.sysfs import Nic
+from rdma_node import pcie, topology
+from rdma_node.sysfs import Nic
 
 LEVEL_NONE = "none"
 

@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from .node.sysfs import NODE_DEV_DIR, RDMA_CM, Nic
+from rdma_node.sysfs import NODE_DEV_DIR, RDMA_CM, Nic
 
 LOG = logging.getLogger(__name__)
 

@@ -146,8 +146,9 @@ def _healthcheck(args: argparse.Namespace) -> int:
 
 
 def _discover(args: argparse.Namespace) -> int:
+    from rdma_node import sysfs
+
     from .config import load_config
-    from .node import sysfs
 
     config = load_config(args.config)
     nics = sysfs.read_nics(args.sysfs_root, args.dev_root)
@@ -185,7 +186,7 @@ def _discover(args: argparse.Namespace) -> int:
 
 
 def _fixture(args: argparse.Namespace) -> int:
-    from .node import fixtures
+    from rdma_node import fixtures
 
     if args.spec:
         import yaml
@@ -264,6 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
+    if args.command == "serve":
+        from .logs import route_native_stderr
+
+        route_native_stderr()  # before grpc loads: its core logs through ours
     try:
         if args.command == "discover":
             return _discover(args)

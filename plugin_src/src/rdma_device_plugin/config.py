@@ -15,9 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from rdma_node.selectors import MELLANOX_VENDOR, Selectors
+
 from . import sockets
 from .kubeletapi import MAX_MESSAGE_BYTES
-from .node.selectors import MELLANOX_VENDOR, Selectors
 
 CONFIG_VERSION = "v1"
 DEFAULT_RESOURCE = "rdma/hca"
@@ -183,6 +184,38 @@ class ResourceConfig(_Strict):
         return value
 
 
+REUSE_PENALTY = 0.75  # health.REUSE: a hold-down ends there (RFC 2439's 750 for 1000 a flap)
+
+
+class FlapDampingConfig(_Strict):
+    """Route-flap damping of NIC health (RFC 2439; health.py): a NIC is Unhealthy at once, and
+    Healthy again after a hold-down that grows with how often it flapped."""
+
+    enabled: bool = Field(True, description="Hold a flapping NIC down (off: every port change reaches the kubelet).")
+    half_life_seconds: float = Field(
+        15.0,
+        alias="halfLifeSeconds",
+        gt=0,
+        le=3600,
+        description="A NIC's flap penalty halves this often; a flap adds 1.",
+    )
+    suppress_penalty: float = Field(
+        1.5,
+        alias="suppressPenalty",
+        gt=REUSE_PENALTY,
+        le=100,
+        description="Penalty at which a NIC is held down (each flap adds 1, halving every halfLifeSeconds; 1.5: a "
+        "second flap within one half-life): Unhealthy even while up, until the penalty has decayed to 0.75.",
+    )
+    max_hold_down_seconds: float = Field(
+        120.0,
+        alias="maxHoldDownSeconds",
+        gt=0,
+        le=86400,
+        description="The longest hold-down, however often the NIC flapped (the penalty is capped there).",
+    )
+
+
 class HealthConfig(_Strict):
     interval_seconds: float = Field(
         0.1,
@@ -206,8 +239,11 @@ class HealthConfig(_Strict):
         "(a lost notification is caught within this).",
     )
     policy: Literal["all", "any"] = Field(
-        "all", description="Shared pool is Healthy when all (default) or any of its NICs have every port ACTIVE."
+        "all",
+        description="Shared pool is Healthy when all (default) or any of its NICs are usable (every port ACTIVE, "
+        "not held down); a pod always gets every present NIC of the pool (docs/configuration.md).",
     )
+    flap_damping: FlapDampingConfig = Field(default_factory=FlapDampingConfig, alias="flapDamping")
     vanish_grace_seconds: float = Field(
         300.0,
         alias="vanishGraceSeconds",

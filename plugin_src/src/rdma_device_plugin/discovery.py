@@ -13,17 +13,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 
-from . import affinity, cdi, events, nfd, numa_pools
+from rdma_node import sysfs
+
+from . import affinity, cdi, events, health, logs, nfd, numa_pools, resources
 from .config import PluginConfig
 from .health import NicHealth
-from .node import sysfs
 from .resources import ResourcePool
 from .server import Hooks
-from .supervision import LogOnce
+from .supervision import Backoff, LogOnce
 from .verbs import VerbsProbe
 
 LOG = logging.getLogger(__name__)
+UVERBS_RECHECK_SECONDS = 1.0
+UVERBS_RECHECK_MAX_SECONDS = 30.0
 
 
 class Discovery:
@@ -47,7 +52,10 @@ class Discovery:
         self.cdi: dict[str, cdi.SpecWriter] = {}  # resource name -> its CDI spec (cdi.enabled)
         self._names: list[str] = []
         self._problems: dict[str, tuple[str, ...]] = {}
-        self._incomplete = False
+        self._incomplete: frozenset[str] = frozenset()  # selected NICs without a usable uverbs node, by identity
+        # Re-listed for them 1 s after, doubling to 30 s: udev creates the node within moments of the
+        # NIC, so a NIC still without one is waiting for a module (ib_uverbs) or a /dev that is not the host's.
+        self._incomplete_backoff = Backoff(UVERBS_RECHECK_SECONDS, UVERBS_RECHECK_MAX_SECONDS)
         self._last_full = 0.0
         self._unreadable: dict[str, str] = {}  # this re-list's unidentifiable devices -> why
         self._unreadable_logged: dict[str, str] = {}
@@ -57,6 +65,18 @@ class Discovery:
         self.features: nfd.FeatureFile | None = None  # --nfd-features-file (issue 15)
         self.coverage = events.LinkCoverage(frozenset(), ())  # set by every re-list
         self.affinity = affinity.NodeAffinity({}, (), {})  # GPUs per served NIC, read at every re-list
+        damping = config.health.flap_damping
+        self.damping = (
+            health.FlapDamping(damping.half_life_seconds, damping.suppress_penalty, damping.max_hold_down_seconds)
+            if damping.enabled
+            else None
+        )
+        self.holds: dict[str, health.Hold] = {}  # NICs held down now, by identity
+        # For the published node view (supervisor): replaced, never changed in place.
+        self.held: Mapping[str, health.Hold] = MappingProxyType({})  # the same, by name
+        self.nics: tuple[sysfs.Nic, ...] = ()  # every RDMA NIC found at the last re-list
+        self.state_changes: Mapping[tuple[str, int], int] = MappingProxyType({})  # (nic, port) -> changes seen
+        self._counted: Mapping[str, tuple[str, ...] | None] = {}  # the states the counts last compared
 
     def _skipped(self, name: str, reason: str) -> None:
         """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
@@ -111,23 +131,33 @@ class Discovery:
                     res[0],
                     level=logging.ERROR,
                 )
+        befores = [pool.health_state() for pool in self.pools]
+        changed = []
         for pool in self.pools:
             mine = [n for n in nics if owners.get(n.name, [pool.name])[0] == pool.name]
-            before = pool.health_state()
             if pool.set_nics(mine):
-                LOG.info("devices changed", extra={"resource": pool.name, "nics": pool.nic_summary()})
+                changed.append(pool)
+        self._damp()
+        for pool, before in zip(self.pools, befores, strict=True):
+            if pool in changed:
+                summary = pool.nic_summary()
+                LOG.info(
+                    "devices changed",
+                    extra={
+                        "resource": pool.name,
+                        "nics": logs.names([str(n["name"]) for n in summary]),
+                        "count": len(summary),
+                        "healthy": sum(1 for n in summary if n["healthy"]),
+                    },
+                )
+                LOG.debug("devices changed", extra={"resource": pool.name, "nics": summary})
             self._log_health(pool, before)
-        # A selected NIC whose uverbs node is not there yet (udev still creating it) is
-        # re-read at every probe, so it becomes usable without waiting for the rediscovery timer.
-        self._incomplete = any(
-            nic.uverbs is None or not nic.uverbs.present for pool in self.pools for nic in pool.present_nics()
-        )
+        self._say_uverbs()
         self.hooks.rediscovered()
-        self.hooks.nics_found(nics)
+        self.nics = tuple(nics)
         served = sorted({n.name: n for pool in self.pools for n in pool.present_nics()}.values(), key=lambda n: n.name)
         self._say_numa_less()
         self.affinity = affinity.read(self.sysfs_root, served)
-        self.hooks.affinity_found(self.affinity)
         if self.features is not None:
             self.features.update(served, self.affinity)
         self.coverage = events.link_coverage(
@@ -140,7 +170,7 @@ class Discovery:
             self._apply_states(self.port_states(self._names) or {})
         else:
             self._states = {n.name: tuple(p.state for p in n.ports) for n in nics}
-            self.hooks.port_states(self._states)
+            self._count_changes(self._states)
         for pool in self.pools:
             writer = self.cdi.get(pool.name)
             if writer is not None:
@@ -149,6 +179,34 @@ class Discovery:
                 except OSError as exc:
                     LOG.error("cannot write CDI spec", extra={"path": writer.path, "error": str(exc)})
         return nics
+
+    def _say_uverbs(self) -> None:
+        """A selected NIC without a usable uverbs node (udev not done yet, ib_uverbs not loaded, the
+        container's /dev not the host's): one warning, re-listed with backoff until it has one."""
+        missing = {
+            resources.nic_identity(nic): nic
+            for pool in self.pools
+            for nic in pool.present_nics()
+            if nic.uverbs is None or not nic.uverbs.present
+        }
+        for key, nic in missing.items():
+            where = f"{nic.uverbs.node_path} is missing" if nic.uverbs else "no uverbs device names it in sysfs"
+            self._log_once.problem(
+                f"uverbs {key}",
+                "%s has no uverbs character device (%s); it stays Unhealthy, and the NICs are re-listed %g s "
+                "later, then at doubling intervals up to %g s, until it has one",
+                nic.name,
+                where,
+                UVERBS_RECHECK_SECONDS,
+                UVERBS_RECHECK_MAX_SECONDS,
+                extra={"nic": nic.name},
+            )
+        for key in self._incomplete - missing.keys():
+            self._log_once.cleared(f"uverbs {key}", "a NIC's uverbs character device is there now")
+        if missing.keys() - self._incomplete:  # a new one: its first re-check a second from now
+            self._incomplete_backoff.succeeded()
+            self._incomplete_backoff.failed(time.monotonic())
+        self._incomplete = frozenset(missing)
 
     def _say_numa_less(self) -> None:
         """numaPools: a selected NIC without a NUMA node is in no per-NUMA pool (said once)."""
@@ -163,6 +221,11 @@ class Discovery:
         if self._ports is not None:
             self._ports.close()
         self._ports = sysfs.PortStateReader(self.sysfs_root, names)
+
+    @property
+    def states(self) -> Mapping[str, tuple[str, ...] | None]:
+        """The port states applied last (replaced at every change, never changed in place)."""
+        return self._states or {}
 
     def close(self) -> None:
         if self._ports is not None:
@@ -184,13 +247,61 @@ class Discovery:
 
     def _apply_states(self, states: dict[str, tuple[str, ...] | None]) -> None:
         if states == self._states:
+            if self.holds:
+                self._damp()  # a hold-down may have ended
             return  # nothing changed: the common case at every fast probe
         self._states = states
+        self._count_changes(states)
+        befores = [pool.health_state() for pool in self.pools]
         for pool in self.pools:
-            before = pool.health_state()
             pool.set_port_states(states)
+        self._damp()
+        for pool, before in zip(self.pools, befores, strict=True):
             self._log_health(pool, before)
-        self.hooks.port_states(states)  # after the pools: the status file re-reads them on this hook
+
+    def _count_changes(self, states: Mapping[str, tuple[str, ...] | None]) -> None:
+        """Every port whose state differs from the last states seen counts a change (a NIC appearing
+        or vanishing is none): rdma_dp_port_state_changes_total, which the flap alert reads."""
+        counts: dict[tuple[str, int], int] | None = None
+        for nic, now in states.items():
+            before = self._counted.get(nic)
+            if now is None or before is None:
+                continue
+            for i, (old, new) in enumerate(zip(before, now, strict=False), start=1):
+                if old != new:
+                    counts = dict(self.state_changes) if counts is None else counts
+                    counts[(nic, i)] = counts.get((nic, i), 0) + 1
+        if counts is not None:
+            self.state_changes = MappingProxyType(counts)  # replaced: a published view keeps its own
+        self._counted = states
+
+    def _damp(self) -> None:
+        """Flap damping (health.FlapDamping) of every NIC's verdict; the pools hold the NICs it holds."""
+        if self.damping is None:
+            return
+        usable = {key: nic.healthy for pool in self.pools for key, nic in pool.health_state().items()}
+        names = {key: name for pool in self.pools for key, name in pool.nic_names().items()}
+        holds = self.damping.observe(usable, time.monotonic())
+        for key in holds.keys() - self.holds.keys():
+            LOG.warning(
+                "%s held down after %d flaps: Unhealthy until it stays up for %.0f s (health.flapDamping)",
+                names.get(key, key),
+                holds[key].flaps,
+                holds[key].until - time.monotonic(),
+                extra={"nic": names.get(key, key)},
+            )
+        for key in self.holds.keys() - holds.keys():
+            if key in usable:
+                LOG.info("%s no longer held down", names.get(key, key), extra={"nic": names.get(key, key)})
+        if holds != self.holds:
+            self.holds = holds
+            for pool in self.pools:
+                pool.set_held(holds)
+            self.held = MappingProxyType({names.get(key, key): hold for key, hold in holds.items()})
+
+    def hold_due(self, now: float) -> bool:
+        """A hold-down ends by now: the next probe must look even if no port changed."""
+        return any(hold.until <= now for hold in self.holds.values())
 
     @staticmethod
     def _log_health(pool: ResourcePool, before: dict[str, NicHealth]) -> None:
@@ -202,14 +313,24 @@ class Discovery:
             LOG.info("health changed: %s", line, extra={"resource": pool.name})
 
     def check_devices(self) -> None:
-        """Re-list the NICs when the set of RDMA devices changed (hot-plug, removal), one is still
-        incomplete, or the rediscovery interval passed."""
+        """Re-list the NICs when the set of RDMA devices changed (hot-plug, removal), the rediscovery
+        interval passed, or a NIC without its uverbs node is due for a re-check (backoff)."""
         names = sysfs.list_rdma_devices(self.sysfs_root)
-        due = time.monotonic() - self._last_full >= self.config.rediscovery_interval_seconds
-        if names != self._names or due or self._incomplete:
+        now = time.monotonic()
+        due = now - self._last_full >= self.config.rediscovery_interval_seconds
+        recheck = bool(self._incomplete) and self._incomplete_backoff.due(now)
+        if names != self._names or due or recheck:
             if names != self._names:
-                LOG.info("RDMA devices changed on the node", extra={"before": self._names, "after": names})
+                added = sorted(set(names) - set(self._names))
+                removed = sorted(set(self._names) - set(names))
+                LOG.info(
+                    "RDMA devices changed on the node",
+                    extra={"added": logs.names(added), "removed": logs.names(removed), "count": len(names)},
+                )
+                LOG.debug("RDMA devices changed on the node", extra={"before": self._names, "after": names})
             self.full()
+            if self._incomplete and recheck:
+                self._incomplete_backoff.failed(now)
 
     def unchanged(self) -> bool:
         """The idle fast probe: True when every port reads as last applied (one pread per port,
@@ -217,6 +338,8 @@ class Discovery:
         :meth:`probe` then does the full work, reading the same values again."""
         ports = self._ports
         if ports is None or self._unreadable or (self.verbs is not None and self.verbs.available()):
+            return False
+        if self.holds and self.hold_due(time.monotonic()):
             return False
         return ports.read() == self._states
 

@@ -27,7 +27,7 @@ import struct
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
-from .node import sysfs, text
+from rdma_node import sysfs, text
 
 # <sys/inotify.h>
 IN_MODIFY = 0x00000002

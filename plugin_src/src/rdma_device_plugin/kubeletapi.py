@@ -9,6 +9,10 @@ from __future__ import annotations
 
 API_VERSION = "v1beta1"  # constants.go Version
 KUBELET_SOCKET = "kubelet.sock"  # constants.go KubeletSocket, in the device-plugin dir
+# devicemanager manager.go kubeletDeviceManagerCheckpoint, in the same dir: rewritten (a temp file
+# renamed over it, checkpointmanager FileStore) at the end of every ListAndWatch update it takes in
+# (genericDeviceUpdateCallback) and every allocation.
+CHECKPOINT = "kubelet_internal_checkpoint"
 HEALTHY = "Healthy"  # constants.go Healthy
 UNHEALTHY = "Unhealthy"  # constants.go Unhealthy
 # constants.go KubeletPreStartContainerRPCTimeoutInSecs: the deadline of PreStartContainer.

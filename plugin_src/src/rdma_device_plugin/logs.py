@@ -1,12 +1,23 @@
-"""Logging set up in one place: text for people, JSON lines for log pipelines."""
+"""Logging set up in one place: text for people, JSON lines for log pipelines.
+
+Native code logs too: gRPC core (through abseil) writes its own lines to file descriptor 2, e.g.
+``E1203 10:50:29.002862   21524 add_port.cc:83] Failed to add port ...``, which would land raw
+in the middle of JSON lines. :func:`route_native_stderr` points fd 2 at a pipe whose lines this
+process logs as records of the ``grpc.core`` logger (level from the line's first letter, the
+source file and line as ``source``), while the handlers and ``sys.stderr`` keep the real stderr.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import sys
+import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -33,6 +44,47 @@ class TextFormatter(logging.Formatter):
         base = super().format(record)
         extra = {k: v for k, v in vars(record).items() if k not in _RESERVED}
         return base + "".join(f" {k}={v}" for k, v in extra.items())
+
+
+def names(items: Sequence[str], shown: int = 4) -> str:
+    """A list for an INFO line: ``mlx5_0,mlx5_1,mlx5_2,mlx5_3 (+60 more)``; the full list goes to debug."""
+    head = ",".join(items[:shown])
+    return f"{head} (+{len(items) - shown} more)" if len(items) > shown else head
+
+
+# abseil's log prefix: severity letter, MMDD hh:mm:ss.uuuuuu, thread id, file:line]
+_NATIVE = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+\s+([^\]\s]+)\] ?(.*)$")
+_NATIVE_LEVELS = {"I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
+
+
+def route_native_stderr() -> None:
+    """Log what native code writes to fd 2 (module doc); a no-op when called twice."""
+    if getattr(route_native_stderr, "done", False):
+        return
+    route_native_stderr.done = True  # type: ignore[attr-defined]
+    real = os.dup(2)
+    stream: TextIO = os.fdopen(real, "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(stream)
+    sys.stderr = stream
+    read, write = os.pipe2(os.O_CLOEXEC)
+    os.dup2(write, 2)
+    os.close(write)
+    threading.Thread(target=_log_native, args=(read,), name="native-stderr", daemon=True).start()
+
+
+def _log_native(fd: int) -> None:
+    log = logging.getLogger("grpc.core")
+    with os.fdopen(fd, "rb") as pipe:
+        for raw in pipe:
+            line = raw.decode("utf-8", "backslashreplace").rstrip()
+            found = _NATIVE.match(line)
+            if found is None:
+                if line:
+                    log.warning("%s", line)
+                continue
+            log.log(_NATIVE_LEVELS[found.group(1)], "%s", found.group(3), extra={"source": found.group(2)})
 
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:

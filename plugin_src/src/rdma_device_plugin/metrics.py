@@ -3,29 +3,36 @@
 A :class:`MetricsHooks` (the server's ``Hooks`` observer) owns its own registry and
 serves it over HTTP with prometheus_client's threaded WSGI server bound to the given
 address only. The metrics, their labels and the alerts built on them are listed in one
-table: docs/operations.md ("Metrics"). Gauges that describe state are read at scrape
-time (pools, NICs, the supervisor's loops), so a scrape never sees a stale copy. The port map is
-replaced by every probe (it lists every RDMA device on the node), so a NIC that vanished drops out
-of ``rdma_dp_port_*`` and ``rdma_dp_nic_info``; while a pool still holds it (health.vanishGraceSeconds)
-it shows as ``rdma_dp_port_state{state="GONE"}`` and an Unhealthy NIC in ``rdma_dp_pool_nics``. With a
-sysfs root, the NICs' own port counters are exported too, read at scrape time (:mod:`.port_counters`).
+table: docs/operations.md ("Metrics"). Gauges that describe state are read at scrape time from
+what the supervisor last published (published.NodeView, the loops' heartbeats): immutable, so a
+scrape takes no lock the supervisor or the gRPC loop takes. Allocate is counted on the gRPC loop
+in plain numbers only that loop writes (no prometheus_client lock on that path); the scrape reads
+copies. The port map is replaced by every probe (it lists every RDMA device on the node), so a NIC
+that vanished drops out of ``rdma_dp_port_*`` and ``rdma_dp_nic_info``; while a pool still holds
+it (health.vanishGraceSeconds) it shows as ``rdma_dp_port_state{state="GONE"}`` and an Unhealthy NIC
+in ``rdma_dp_pool_nics``; port state changes are counted by their owner (discovery) and published
+with the view. With a sysfs root, the NICs' own port counters are exported too, read at scrape
+time (:mod:`.port_counters`) for the NICs of the last published re-list.
 """
 
 from __future__ import annotations
 
-import threading
+import bisect
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from rdma_node.sysfs import ACTIVE_STATES, Nic
 
 from . import __version__, affinity, port_counters
 from .kubeletapi import HEALTHY, UNHEALTHY
-from .node.sysfs import ACTIVE_STATES, Nic
+from .published import NodeView
 from .resources import ResourcePool
-from .server import Hooks, LiveStatus
+from .server import Hooks
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -39,19 +46,31 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class _AllocateStats:
+    """One resource's Allocate calls, written on the gRPC loop only; read (copied) by scrapes."""
+
+    def __init__(self) -> None:
+        self.ok = 0
+        self.error = 0
+        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # per bucket, +Inf last (not cumulative)
+        self.total = 0.0
+
+
 class _StateCollector(Collector):
     def __init__(self, hooks: MetricsHooks) -> None:
         self.hooks = hooks
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._allocations()
+        view = self.hooks.view
+        if view is None:
+            return
         devices = GaugeMetricFamily(
             "rdma_dp_devices", "Devices advertised to the kubelet", labels=["resource", "health"]
         )
-        for pool in self.hooks.pools:
-            _, devs = pool.snapshot()
-            healthy = sum(1 for d in devs if d.health == HEALTHY)
-            devices.add_metric([pool.name, HEALTHY], healthy)
-            devices.add_metric([pool.name, UNHEALTHY], len(devs) - healthy)
+        for pool in view.pools:
+            devices.add_metric([pool.name, HEALTHY], pool.healthy)
+            devices.add_metric([pool.name, UNHEALTHY], len(pool.devices) - pool.healthy)
         yield devices
         active = GaugeMetricFamily("rdma_dp_port_active", "1 when the RDMA port is ACTIVE", labels=["nic", "port"])
         state = GaugeMetricFamily("rdma_dp_port_state", "Current RDMA port state (1)", labels=["nic", "port", "state"])
@@ -65,16 +84,13 @@ class _StateCollector(Collector):
             "NICs a resource's pool holds, by health: a vanished NIC counts Unhealthy until health.vanishGraceSeconds",
             labels=["resource", "health"],
         )
-        with self.hooks.lock:
-            ports = dict(self.hooks.ports)
-            counted = dict(self.hooks.state_changes)
+        ports = dict(view.port_states)
         gone: set[str] = set()
-        for pool in self.hooks.pools:
-            summary = pool.nic_summary()
-            healthy = sum(1 for n in summary if n["healthy"])
+        for pool in view.pools:
+            healthy = sum(1 for n in pool.summary if n["healthy"])
             pool_nics.add_metric([pool.name, HEALTHY], healthy)
-            pool_nics.add_metric([pool.name, UNHEALTHY], len(summary) - healthy)
-            gone.update(str(n["name"]) for n in summary if not n["present"])
+            pool_nics.add_metric([pool.name, UNHEALTHY], len(pool.summary) - healthy)
+            gone.update(str(n["name"]) for n in pool.summary if not n["present"])
         for nic in sorted(gone - {n for n, s in ports.items() if s is not None}):
             ports[nic] = None  # held by a pool, gone from sysfs: marked until the pool lets it go
         for nic, states in sorted(ports.items()):
@@ -85,15 +101,30 @@ class _StateCollector(Collector):
             for i, s in enumerate(states, start=1):
                 active.add_metric([nic, str(i)], 1 if s in ACTIVE_STATES else 0)
                 state.add_metric([nic, str(i), s], 1)
-                changes.add_metric([nic, str(i)], counted.get((nic, i), 0))
+                changes.add_metric([nic, str(i)], view.state_changes.get((nic, i), 0))
         yield active
         yield state
         yield changes
         yield pool_nics
-        yield from self._nics()
-        yield from self._live()
+        yield from self._nics(view)
+        yield from self._live(view)
 
-    def _nics(self) -> Iterator[Metric]:
+    def _allocations(self) -> Iterator[Metric]:
+        calls = CounterMetricFamily("rdma_dp_allocations", "Allocate calls by result", labels=["resource", "result"])
+        latency = HistogramMetricFamily("rdma_dp_allocate_seconds", "Allocate latency", labels=["resource"])
+        for resource, stats in sorted(self.hooks.allocate_stats.items()):
+            counts = list(stats.buckets)  # one C-level copy each: consistent enough for a scrape
+            calls.add_metric([resource, "ok"], stats.ok)
+            calls.add_metric([resource, "error"], stats.error)
+            cumulative, buckets = 0, []
+            for bound, n in zip([*map(str, LATENCY_BUCKETS), "+Inf"], counts, strict=True):
+                cumulative += n
+                buckets.append((bound, cumulative))
+            latency.add_metric([resource], buckets, stats.total)
+        yield calls
+        yield latency
+
+    def _nics(self, view: NodeView) -> Iterator[Metric]:
         info = GaugeMetricFamily(
             "rdma_dp_nic_info",
             'RDMA NIC facts (1): link layer, netdevs, NUMA node ("" when none), the resource serving it and the '
@@ -110,47 +141,50 @@ class _StateCollector(Collector):
                 "numa_gpus",
             ],
         )
-        with self.hooks.lock:
-            nics = list(self.hooks.nics)
-            gpus = dict(self.hooks.affinity.nics)
+        gpus = view.affinity.nics
         owners: dict[str, str] = {}
-        for pool in self.hooks.pools:  # numaPools: the NIC's first pool (the configured resource) names it
-            for nic in pool.present_nics():
+        for pool in view.pools:  # numaPools: the NIC's first pool (the configured resource) names it
+            for nic in pool.nics.values():
                 owners.setdefault(nic.name, pool.name)
-        for nic in nics:
+        for nic in view.nics:
             layers = sorted({p.link_layer for p in nic.ports if p.link_layer})
             numa = "" if nic.numa_node is None else str(nic.numa_node)
             labels = [nic.name, nic.pci_address, ",".join(layers), ",".join(sorted(nic.netdevs)), numa]
             info.add_metric([*labels, owners.get(nic.name, ""), *affinity.metric_labels(gpus.get(nic.name))], 1)
         yield info
+        held = GaugeMetricFamily(
+            "rdma_dp_nic_held_down",
+            "1 while the NIC is held down after flapping (health.flapDamping): Unhealthy even while its ports are up",
+            labels=["nic"],
+        )
+        for nic in view.nics:
+            held.add_metric([nic.name], 1 if nic.name in view.held else 0)
+        yield held
         unset = GaugeMetricFamily(
             "rdma_dp_env_unset",
             "1 while a variable of the env NCCL reads (workloadEnv) is left unset for a resource's NICs, and why "
             "(gid_index_differs, no_suitable_gid)",
             labels=["resource", "variable", "reason"],
         )
-        for pool in self.hooks.pools:
+        for pool in view.pools:
             seen = set()
-            for _, env in pool.workload_env():
+            for _, env in pool.env:
                 for u in env.unset:
                     if (u.variable, u.reason) not in seen:
                         seen.add((u.variable, u.reason))
                         unset.add_metric([pool.name, u.variable, u.reason], 1)
         yield unset
 
-    def _live(self) -> Iterator[Metric]:
-        status = self.hooks.status() if self.hooks.status is not None else None
-        if status is None:
-            return
+    def _live(self, view: NodeView) -> Iterator[Metric]:
         registered = GaugeMetricFamily(
             "rdma_dp_resource_registered", "1 while the resource is registered with the kubelet", labels=["resource"]
         )
         streams = GaugeMetricFamily(
             "rdma_dp_kubelet_stream_open", "1 while the kubelet has a ListAndWatch stream open", labels=["resource"]
         )
-        for pool in self.hooks.pools:
-            registered.add_metric([pool.name], 1 if pool.name in status.registered else 0)
-            streams.add_metric([pool.name], 1 if pool.name in status.kubelet_streams else 0)
+        for pool in view.pools:
+            registered.add_metric([pool.name], 1 if pool.name in view.registered else 0)
+            streams.add_metric([pool.name], 1 if pool.name in view.kubelet_streams else 0)
         yield registered
         yield streams
         loops = GaugeMetricFamily(
@@ -158,34 +192,25 @@ class _StateCollector(Collector):
             "Unix time a step of the supervisor loop last completed (probe: health probe, watch: kubelet socket watch)",
             labels=["loop"],
         )
-        for name, last in sorted(status.loops.items()):
+        for name, last in sorted(self.hooks.loops().items()):
             loops.add_metric([name], last)
         yield loops
+        failing = GaugeMetricFamily(
+            "rdma_dp_probe_failing", "1 while the health probe fails (from its first failed run to its next success)"
+        )
+        failing.add_metric([], 1 if view.probe_failing else 0)
+        yield failing
 
 
 class MetricsHooks(Hooks):
     def __init__(self, registry: CollectorRegistry | None = None, sysfs_root: str | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        self.lock = threading.Lock()
-        self.pools: list[ResourcePool] = []
-        self.ports: dict[str, tuple[str, ...] | None] = {}
-        self.state_changes: dict[tuple[str, int], int] = {}  # (nic, port) -> changes observed
-        self.nics: list[Nic] = []
-        self.affinity = affinity.NodeAffinity({}, (), {})
-        self.status: Callable[[], LiveStatus] | None = None
+        self.view: NodeView | None = None  # what the supervisor published last
+        self.loops: Callable[[], Mapping[str, float]] = lambda: MappingProxyType({})
+        self.allocate_stats: dict[str, _AllocateStats] = {}  # per resource, from pools_ready on
         self._server: Any = None
         self.info = Gauge(
             "rdma_dp_build_info", "Plugin version and mode (1)", ["version", "mode"], registry=self.registry
-        )
-        self.allocations = Counter(
-            "rdma_dp_allocations", "Allocate calls by result", ["resource", "result"], registry=self.registry
-        )
-        self.latency = Histogram(
-            "rdma_dp_allocate_seconds",
-            "Allocate latency",
-            ["resource"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
         )
         self.registrations = Counter(
             "rdma_dp_registrations", "Successful registrations with the kubelet", ["resource"], registry=self.registry
@@ -198,22 +223,26 @@ class MetricsHooks(Hooks):
             ["resource"],
             registry=self.registry,
         )
+        self.probe_failures = Counter(
+            "rdma_dp_probe_failures", "Runs of the health probe that failed (raised)", registry=self.registry
+        )
         self.registry.register(_StateCollector(self))
         if sysfs_root is not None:
             self.registry.register(port_counters.PortCountersCollector(sysfs_root, self._present_nics))
-        # (resource, ok) -> its counter and histogram children: labels() takes a lock and builds
-        # a key at each call, and allocated() runs on the gRPC loop at every Allocate.
-        self._allocate_children: dict[tuple[str, bool], tuple[Any, Any]] = {}
 
     # ------------------------------------------------------------------ Hooks
 
     def allocated(self, resource: str, seconds: float, ok: bool) -> None:
-        children = self._allocate_children.get((resource, ok))
-        if children is None:
-            children = (self.allocations.labels(resource, "ok" if ok else "error"), self.latency.labels(resource))
-            self._allocate_children[(resource, ok)] = children
-        children[0].inc()
-        children[1].observe(seconds)
+        """On the gRPC loop: plain numbers only that loop writes."""
+        stats = self.allocate_stats.get(resource)
+        if stats is None:
+            stats = self.allocate_stats[resource] = _AllocateStats()
+        if ok:
+            stats.ok += 1
+        else:
+            stats.error += 1
+        stats.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        stats.total += seconds
 
     def registered(self, resource: str) -> None:
         self.registrations.labels(resource).inc()
@@ -227,42 +256,26 @@ class MetricsHooks(Hooks):
     def stream_ended(self, resource: str) -> None:
         self.stream_ends.labels(resource).inc()
 
-    def nics_found(self, nics: Sequence[Nic]) -> None:
-        with self.lock:
-            self.nics = list(nics)
+    def probe_failed(self) -> None:
+        self.probe_failures.inc()
 
-    def affinity_found(self, node: affinity.NodeAffinity) -> None:
-        with self.lock:
-            self.affinity = node
+    def published(self, view: NodeView) -> None:
+        self.view = view
 
-    def supervising(self, status: Callable[[], LiveStatus]) -> None:
-        self.status = status
-
-    def port_states(self, states: Mapping[str, tuple[str, ...] | None]) -> None:
-        """Every probe and re-list passes every RDMA device on the node: the map is replaced, so a
-        vanished NIC leaves it; a port whose state differs from the last one seen counts a change."""
-        with self.lock:
-            for nic, now in states.items():
-                before = self.ports.get(nic)
-                if now is None or before is None:
-                    continue  # appearing or vanishing is not a port state change
-                for i, (old, new) in enumerate(zip(before, now, strict=False), start=1):
-                    if old != new:
-                        self.state_changes[(nic, i)] = self.state_changes.get((nic, i), 0) + 1
-            self.ports = dict(states)
+    def supervising(self, loops: Callable[[], Mapping[str, float]]) -> None:
+        self.loops = loops
 
     def _present_nics(self) -> list[Nic]:
-        with self.lock:
-            return list(self.nics)
+        """The NICs of the last published re-list (the port counters' scrape reads theirs)."""
+        view = self.view
+        return list(view.nics) if view is not None else []
 
     def pools_ready(self, pools: Sequence[ResourcePool]) -> None:
-        self.pools = list(pools)
-        for mode in sorted({pool.mode for pool in self.pools}):
+        for mode in sorted({pool.mode for pool in pools}):
             self.info.labels(__version__, mode).set(1)
-        for pool in self.pools:  # make the series exist before the first call
-            self.allocations.labels(pool.name, "ok")
-            self.allocations.labels(pool.name, "error")
-            self.latency.labels(pool.name)  # the dashboard's Allocate latency panel from the start
+        # The series exist before the first call (the dashboard's Allocate latency panel from the start).
+        self.allocate_stats = {pool.name: _AllocateStats() for pool in pools}
+        for pool in pools:
             self.registrations.labels(pool.name)
             self.stream_ends.labels(pool.name)
 

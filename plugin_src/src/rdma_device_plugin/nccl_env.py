@@ -1,8 +1,8 @@
 """The env NCCL and UCX read, computed from the NICs a container was allocated (``workloadEnv``).
 
 Pure logic, no I/O. :func:`nic_facts` reads what one NIC offers from its sysfs view (a
-:class:`~.node.sysfs.Nic`, as every re-list gives it): its ports and, per address family, the GID
-index NCCL itself would pick on each RoCE port (:func:`.node.gids.nccl_gid_index`, NCCL's own
+:class:`~rdma_node.sysfs.Nic`, as every re-list gives it): its ports and, per address family, the GID
+index NCCL itself would pick on each RoCE port (:func:`rdma_node.gids.nccl_gid_index`, NCCL's own
 algorithm). :func:`workload_env` combines the facts of the allocated NICs into variables; the pools
 call it once per NIC set at re-list (shared) or at the first Allocate of a set (exclusive), never per
 call. Each variable's meaning, from NCCL's and UCX's own sources (docs/nccl.md cites them):
@@ -30,9 +30,10 @@ import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rdma_node import gids
+from rdma_node.sysfs import Nic, Port
+
 from .config import AF_INET, AF_INET6, PluginConfig
-from .node import gids
-from .node.sysfs import Nic, Port
 
 NCCL_IB_HCA = "NCCL_IB_HCA"
 NCCL_IB_GID_INDEX = "NCCL_IB_GID_INDEX"

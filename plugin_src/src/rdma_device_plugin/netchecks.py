@@ -12,7 +12,7 @@ only if
    network, so the GID they use must carry an IPv6 address (an IPv4-mapped GID lives in
    the host netns only).
 
-The checks themselves live in :mod:`.node.ipv6checks`, shared with the Ansible role
+The checks themselves live in :mod:`rdma_node.ipv6checks`, shared with the Ansible role
 ``ipv6_compute_validate``; :func:`read_and_check` returns its failed checks as
 :class:`Finding` (the same class), each naming what to fix. The daemon logs them and, with
 ``checks: enforce`` (default), exits with code 3 before serving anything.
@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from .node import ipv6checks
-from .node.ipv6checks import Check as Finding  # a failed check: name, nic ("" node-wide), netdev, problem, fix
-from .node.sysfs import Nic
+from rdma_node import ipv6checks
+from rdma_node.ipv6checks import Check as Finding  # a failed check: name, nic ("" node-wide), netdev, problem, fix
+from rdma_node.sysfs import Nic
 
 __all__ = ["ChecksFailed", "Finding", "default_env", "gid_netdev", "read_and_check"]
 
@@ -62,7 +62,7 @@ def default_env() -> dict[str, str]:
 def read_and_check(
     nics: Sequence[Nic], sysfs_root: str, procfs_root: str, gids: Mapping[str, Iterable[str]] | None = None
 ) -> list[Finding]:
-    """The failed :mod:`.node.ipv6checks` checks of the selected NICs (none selected: nothing to check).
+    """The failed :mod:`rdma_node.ipv6checks` checks of the selected NICs (none selected: nothing to check).
 
     ``gids``: RoCE v2 GIDs per RDMA device from pyverbs when it is in use; default sysfs.
     """

@@ -33,8 +33,9 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from rdma_node import sysfs
+
 from . import affinity, events, netchecks
-from .node import sysfs
 
 LOG = logging.getLogger(__name__)
 

@@ -27,9 +27,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from rdma_node.sysfs import Nic
+
 from .config import PluginConfig, ResourceConfig, local_resource_name, numa_resource_name
 from .kubeletapi import MAX_MESSAGE_BYTES
-from .node.sysfs import Nic
 
 WHOLE, NUMA, LOCAL = "whole", "numa", "local"
 _WORST_HEALTH = len("Unhealthy")

@@ -2,7 +2,7 @@
 
 A :class:`PortCountersCollector` is a prometheus_client custom collector: ``collect()`` runs when
 Prometheus scrapes and reads each port's ``counters/`` and ``hw_counters/`` through the one reader
-(:func:`node.portcounters.read_port`); between scrapes it holds nothing and reads nothing, so a
+(:func:`rdma_node.portcounters.read_port`); between scrapes it holds nothing and reads nothing, so a
 plugin nobody scrapes pays nothing. Only the counters of :data:`COUNTERS` are exported (one metric
 family each, labels ``nic`` and ``port``), a NIC or port that lacks a file simply has no series of
 it: the PortCounters of ``counters/`` exist on every port (InfiniBand and RoCE, kernel
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .node import portcounters
-from .node.sysfs import Nic
+from rdma_node import portcounters
+from rdma_node.sysfs import Nic
 
 SATURATED = "rdma_dp_port_counter_saturated"
 

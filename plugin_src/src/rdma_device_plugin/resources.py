@@ -14,23 +14,33 @@ node as topology; a pod gets only the NICs it was given.
 Every answer carries the env NCCL and UCX read for exactly its NICs (:mod:`.nccl_env`): each NIC's
 GID facts are read when the NICs change (a re-list), and the answer for a NIC set is built once and
 kept until they change again (shared pools build theirs right away), so Allocate only looks it up.
+
+One owner: a :class:`ResourcePool` is changed on one thread only (the supervisor's), with no lock.
+After every change it publishes a :class:`PoolView`, an immutable picture of itself (devices, the
+ListAndWatch message already serialized, NICs, health and why, the env a pod gets, the answers of
+its NIC set), by replacing one reference. Every other reader (gRPC handlers on the gRPC loop, the
+status-file and metrics threads) reads ``pool.view`` once and works on that object only, so an
+answer is always computed from the state it describes and nothing waits for a re-list.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any
+
+from rdma_node.selectors import Selectors
+from rdma_node.sysfs import Nic
 
 from . import cdi, nccl_env, netchecks
+from .api import deviceplugin_pb2 as pb
 from .config import PluginConfig, ResourceConfig
-from .health import NicHealth
+from .health import Hold, NicHealth
 from .kubeletapi import HEALTHY, UNHEALTHY
 from .nccl_env import NicFacts, WorkloadEnv
-from .node.selectors import Selectors
-from .node.sysfs import Nic
 from .numa_pools import LOCAL, PoolSpec, pool_specs
 from .supervision import LogOnce
 
@@ -73,12 +83,155 @@ def nic_identity(nic: Nic) -> str:
     return nic.pci_address or f"guid:{nic.node_guid}"
 
 
-class ResourcePool:
-    """One advertised resource. Thread-safe: discovery, the health probe and gRPC calls share it.
+@dataclass(frozen=True)
+class Rules:
+    """What a pool hands out, fixed by the config at start: pure, shared by its owner and its readers."""
 
-    Interface: fed by :meth:`set_nics` (a discovery result) and :meth:`set_port_states` (a probe);
-    read through :meth:`snapshot` (versioned device list), :meth:`allocate` and :meth:`preferred`;
-    listeners (:meth:`add_listener`) hear of every device change, called outside the pool's lock.
+    name: str
+    mode: str
+    kind: str  # numa_pools: WHOLE, NUMA or LOCAL
+    numa_of: Mapping[str, int | None]  # shared device ID -> its NUMA node
+    env_settings: nccl_env.EnvSettings
+    cdi_kind: str | None
+    with_umad: bool
+    with_issm: bool
+    extra_env: Mapping[str, str]
+    non_host_network: bool
+
+    def key(self, device_ids: Sequence[str]) -> tuple[str, ...]:
+        """What an answer depends on: nothing in shared mode (every pod gets every NIC), the NUMA
+        nodes of the IDs in a -local pool, the set of IDs in exclusive mode (sorted: the kubelet
+        sends them in map order)."""
+        if self.mode != "shared":
+            return tuple(sorted(device_ids))
+        if self.kind == LOCAL:
+            return tuple(sorted({str(self.numa_of.get(d)) for d in device_ids}))
+        return ()
+
+    def shared_keys(self, nics: Mapping[str, Nic]) -> list[tuple[str, ...]]:
+        """The allocation keys of a shared pool: one, or one per NUMA node of a -local pool."""
+        if self.kind == LOCAL:
+            return [(str(n),) for n in sorted({n.numa_node for n in nics.values() if n.numa_node is not None})]
+        return [()]
+
+    def nics_for(self, key: tuple[str, ...], nics: Mapping[str, Nic]) -> list[Nic]:
+        """The present NICs an allocation key hands out (shared pools), by name."""
+        ordered = sorted(nics.values(), key=lambda n: n.name)
+        if self.kind == LOCAL:
+            return [n for n in ordered if str(n.numa_node) in key]
+        return ordered
+
+    def allocation(self, nics: Sequence[Nic], facts: Mapping[str, NicFacts]) -> ContainerAllocation:
+        nics = [n for n in nics if _has_uverbs(n)]
+        if not nics:
+            raise AllocationError(f"no RDMA NIC of resource {self.name} is present on the node")
+        chars = [c for nic in nics for c in nic.char_devices(self.with_umad, self.with_issm)]
+        specs = [DeviceSpec(c.node_path, c.node_path) for c in chars]
+        specs.append(DeviceSpec(RDMA_CM_PATH, RDMA_CM_PATH))
+        names = tuple(n.name for n in nics)
+        envs = self.pod_env(names, nccl_env.workload_env(facts_of(facts, nics), self.env_settings).env)
+        if self.cdi_kind is not None:
+            group = cdi.numa_group(nics) if self.kind == LOCAL else None
+            return ContainerAllocation((), envs, names, cdi.allocation_devices(self.cdi_kind, self.mode, nics, group))
+        return ContainerAllocation(tuple(specs), envs, names)
+
+    def pod_env(self, names: tuple[str, ...], computed: Mapping[str, str]) -> dict[str, str]:
+        """A container's env, low to high: computed (workloadEnv), non-hostNetwork defaults, the
+        config's env, RDMA_DEVICES."""
+        defaults = netchecks.default_env() if self.non_host_network else {}
+        return {**computed, **defaults, **self.extra_env, "RDMA_DEVICES": ",".join(names)}
+
+
+def facts_of(facts: Mapping[str, NicFacts], nics: Sequence[Nic]) -> list[NicFacts]:
+    return [facts[nic_identity(n)] for n in nics if nic_identity(n) in facts]
+
+
+@dataclass(frozen=True, eq=False)
+class PoolView:
+    """A pool at one moment, for every reader off the owner's thread; never changes once published.
+
+    ``answers`` and ``responses`` belong to its NIC set (views of one NIC set share them): the
+    owner builds a shared pool's answers before publishing and never touches them again; readers
+    add the answers of exclusive device sets (``answers``) and the gRPC layer its serialized
+    responses (``responses``), on the gRPC loop only."""
+
+    rules: Rules
+    version: int  # bumped when the device list changes (the streams send on a new version)
+    devices: tuple[Device, ...]
+    device_ids: frozenset[str]
+    message: bytes  # the ListAndWatchResponse of ``devices`` on the wire
+    healthy: int
+    nics: Mapping[str, Nic]  # present and selected, by identity
+    facts: Mapping[str, NicFacts]  # their GID facts, by identity
+    answers: dict[tuple[str, ...], ContainerAllocation]
+    responses: dict[Any, Any]
+    summary: tuple[Mapping[str, object], ...]  # every NIC the pool knows: presence, ports, health, why
+    env: tuple[tuple[str, WorkloadEnv], ...]  # (scope, env) a pod gets from the present NICs
+    closed: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.rules.name
+
+    @property
+    def mode(self) -> str:
+        return self.rules.mode
+
+    def present_nics(self) -> list[Nic]:
+        """Selected NICs on the node, by RDMA device name."""
+        return sorted(self.nics.values(), key=lambda n: n.name)
+
+    def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
+        """What a container given ``device_ids`` receives: the same answer for the same set of IDs,
+        whatever their order (exclusive NICs are handed out by PCI address)."""
+        unknown = [d for d in device_ids if d not in self.device_ids]
+        if unknown:
+            raise AllocationError(f"unknown device ID(s) {unknown} for resource {self.name}")
+        if not device_ids:
+            raise AllocationError(f"empty device list for resource {self.name}")
+        if len(set(device_ids)) != len(device_ids):
+            dupes = sorted({d for d in device_ids if list(device_ids).count(d) > 1})
+            raise AllocationError(f"device ID(s) {dupes} requested more than once for resource {self.name}")
+        key = self.rules.key(device_ids)
+        cached = self.answers.get(key)
+        if cached is not None:
+            return cached
+        if self.mode == "shared":
+            nics = self.rules.nics_for(key, self.nics)
+        else:  # exclusive device IDs are PCI addresses, which are the NICs' identities
+            gone = [d for d in key if d not in self.nics]
+            if gone:
+                raise AllocationError(f"NIC(s) {gone} of resource {self.name} are no longer present")
+            nics = [self.nics[d] for d in key]
+        alloc = self.rules.allocation(nics, self.facts)
+        if len(self.answers) < 4096:  # bounded: a node has a handful of NICs
+            self.answers[key] = alloc
+        return alloc
+
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Exclusive mode: must_include first, then NICs that keep the pod on the fewest NUMA nodes."""
+        numa = {d.id: d.numa_node for d in self.devices}
+        return preferred_allocation(available, must_include, size, numa)
+
+
+def encode_devices(devices: Sequence[Device]) -> bytes:
+    """A ListAndWatchResponse on the wire."""
+    msg = pb.ListAndWatchResponse()
+    for device in devices:
+        entry = msg.devices.add(ID=device.id, health=device.health)
+        if device.numa_node is not None:
+            entry.topology.nodes.add(ID=device.numa_node)
+    data: bytes = msg.SerializeToString()
+    return data
+
+
+class ResourcePool:
+    """One advertised resource, changed by its owner only (the supervisor's thread: no lock).
+
+    Interface: fed by :meth:`set_nics` (a discovery result), :meth:`set_port_states` (a probe),
+    :meth:`set_held` (flap damping) and :meth:`set_probe_failure`; every change publishes a new
+    :attr:`view` (module doc), then tells the listeners (:meth:`add_listener`). The read methods
+    below read the view, so they are safe from any thread.
     """
 
     def __init__(
@@ -90,42 +243,50 @@ class ResourcePool:
         self.mode = config.mode
         self.policy = config.health.policy
         self.selectors: Selectors = resource.selectors.to_selectors()
-        self.extra_env = dict(config.env)
-        self.non_host_network = config.non_host_network.enabled
+        extra_env = dict(config.env)
         if config.non_host_network.enabled:
-            self.extra_env.update(config.non_host_network.env)
+            extra_env.update(config.non_host_network.env)
         pools = max(pool_count, len(config.resources))  # numaPools: every pool its own kind
-        self.cdi_kind = cdi.resource_kind(config.cdi.kind, resource.name, pools) if config.cdi.enabled else None
-        self.env_settings = nccl_env.EnvSettings.from_config(config)
-        self.with_umad = config.char_devices.umad
-        self.with_issm = config.char_devices.issm
-        self._lock = threading.Lock()
-        self._nics: dict[str, Nic] = {}  # present and selected, by identity (nic_identity)
+        ids = self.spec.devices() if self.mode == "shared" else ()
+        self.rules = Rules(
+            name=self.name,
+            mode=self.mode,
+            kind=self.spec.kind,
+            numa_of=MappingProxyType(dict(ids)),
+            env_settings=nccl_env.EnvSettings.from_config(config),
+            cdi_kind=cdi.resource_kind(config.cdi.kind, resource.name, pools) if config.cdi.enabled else None,
+            with_umad=config.char_devices.umad,
+            with_issm=config.char_devices.issm,
+            extra_env=MappingProxyType(extra_env),
+            non_host_network=config.non_host_network.enabled,
+        )
+        self.cdi_kind = self.rules.cdi_kind
+        self._nics: dict[str, Nic] = {}  # present and selected, by identity (nic_identity); replaced, never changed
         self._seen: dict[str, Nic] = {}  # every NIC selected (a vanished one stays, unhealthy, for the grace)
         self._health: dict[str, NicHealth] = {}
         self._gone_since: dict[str, float] = {}
         self.vanish_grace = config.health.vanish_grace_seconds
         self._version = 0
         self._devices: tuple[Device, ...] = ()
-        self._device_ids: frozenset[str] = frozenset()  # derived from _devices, for Allocate
-        # What Allocate hands out, by allocation_key: built once per NIC set and dropped when it
-        # changes (shared mode: one entry for every pod).
-        self._allocations: dict[tuple[str, ...], ContainerAllocation] = {}
-        # Bumped whenever those cached allocations are dropped (the NICs changed): whoever caches
-        # something built from them (the gRPC answers) drops it too.
-        self.allocations_version = 0
+        self._device_ids: frozenset[str] = frozenset()
+        # What Allocate hands out, by allocation key, and the gRPC layer's responses: one pair of
+        # dicts per NIC set, new at every re-list that changes the NICs (never cleared in place:
+        # views of the old set keep theirs).
+        self._answers: dict[tuple[str, ...], ContainerAllocation] = {}
+        self._responses: dict[Any, Any] = {}
         self._closed = False
-        self._listeners: list[Callable[[], None]] = []  # called, outside the lock, when devices change
-        ids = self.spec.devices() if self.mode == "shared" else ()
-        self._shared_ids = tuple(i for i, _ in ids)
-        self._numa_of = {i: n for i, n in ids}  # device ID -> its NUMA node (per-NUMA and -local pools)
+        self._listeners: list[Callable[[], None]] = []  # told after every publication
         # Shared mode: the device list is all Healthy or all Unhealthy (a -local pool: per node), so
         # each is built once (a flip of a 100k pool is then a pick, not 100k new devices:
-        # bench/bench_listandwatch.py).
+        # bench/bench_listandwatch.py), and so is its message (the last two).
         self._shared_lists: dict[object, tuple[Device, ...]] = {}
-        self._facts: dict[str, NicFacts] = {}  # by identity: each present NIC's GID facts (nccl_env)
+        self._encoded: list[tuple[tuple[Device, ...], bytes]] = []
+        self._facts: dict[str, NicFacts] = {}  # by identity: each present NIC's GID facts; replaced, never changed
         self._env: tuple[tuple[str, WorkloadEnv], ...] = ()  # (scope, env) of the pool's NICs: status, metrics
         self._said = LogOnce(LOG)  # a variable left unset: said once while it stays so
+        self._probe_failure: str | None = None  # why no port can be vouched for (the probe keeps failing)
+        self._held: dict[str, tuple[Hold, float]] = {}  # NICs held down after flapping: (hold, wall time it ends)
+        self.view = self._view(b"")
 
     # ------------------------------------------------------------------ inputs
 
@@ -138,51 +299,47 @@ class ResourcePool:
         """
         now = time.monotonic() if now is None else now
         selected = {nic_identity(n): n for n in self.spec.nics(self.selectors.select(nics))}
-        with self._lock:
-            relisted = selected != self._nics  # a re-list that finds the same NICs keeps the answers
-            if relisted:
-                self._allocations.clear()  # names, char devices or GIDs changed
-                self.allocations_version += 1
-            self._nics = selected
-            for key, nic in selected.items():
-                old = self._seen.get(key)
-                if old is not None and old.name != nic.name:
-                    LOG.info("NIC %s (%s) is now named %s", old.name, key, nic.name, extra={"resource": self.name})
-                self._seen[key] = nic
-                self._gone_since.pop(key, None)
-                self._health[key] = NicHealth(True, tuple(p.state for p in nic.ports), _has_uverbs(nic))
-            for key in set(self._seen) - set(selected):
-                self._health[key] = NicHealth(False, ())
-                since = self._gone_since.setdefault(key, now)
-                if now - since >= self.vanish_grace:
-                    gone = self._seen.pop(key)
-                    del self._health[key], self._gone_since[key]
-                    LOG.warning(
-                        "NIC %s (%s) gone for %.0f s (health.vanishGraceSeconds): removed from %s",
-                        gone.name,
-                        key,
-                        now - since,
-                        self.name,
-                        extra={"resource": self.name},
-                    )
-            if relisted:
-                self._relisted()
-            changed = self._recompute()
-        return self._notify(changed)
+        relisted = selected != self._nics  # a re-list that finds the same NICs keeps the answers
+        self._nics = selected
+        for key, nic in selected.items():
+            old = self._seen.get(key)
+            if old is not None and old.name != nic.name:
+                LOG.info("NIC %s (%s) is now named %s", old.name, key, nic.name, extra={"resource": self.name})
+            self._seen[key] = nic
+            self._gone_since.pop(key, None)
+            self._health[key] = NicHealth(True, tuple(p.state for p in nic.ports), _has_uverbs(nic))
+        for key in set(self._seen) - set(selected):
+            self._health[key] = NicHealth(False, ())
+            since = self._gone_since.setdefault(key, now)
+            if now - since >= self.vanish_grace:
+                gone = self._seen.pop(key)
+                del self._health[key], self._gone_since[key]
+                LOG.warning(
+                    "NIC %s (%s) gone for %.0f s (health.vanishGraceSeconds): removed from %s",
+                    gone.name,
+                    key,
+                    now - since,
+                    self.name,
+                    extra={"resource": self.name},
+                )
+        if relisted:
+            self._relisted()
+        return self._publish()
 
     def _relisted(self) -> None:
-        """The NICs changed (under the lock): read their GID facts, build the answers of a shared pool
-        now rather than at the first Allocate, and say once what its env leaves unset."""
-        self._facts = {key: nccl_env.nic_facts(nic, self.env_settings) for key, nic in self._nics.items()}
+        """The NICs changed: read their GID facts, build the answers of a shared pool now rather
+        than at the first Allocate, and say once what its env leaves unset."""
+        self._facts = {key: nccl_env.nic_facts(nic, self.rules.env_settings) for key, nic in self._nics.items()}
+        self._answers, self._responses = {}, {}  # names, char devices or GIDs changed
         if self.mode == "shared":
-            for key in self._shared_keys():
-                nics = self._nics_for(key)
+            for key in self.rules.shared_keys(self._nics):
+                nics = self.rules.nics_for(key, self._nics)
                 if any(_has_uverbs(n) for n in nics):
-                    self._allocations[key] = self._allocation_of(nics)
+                    self._answers[key] = self.rules.allocation(nics, self._facts)
         self._env = ()
         for scope, nics in self._env_scopes():
-            found = nccl_env.workload_env(self._facts_of(nics), self.env_settings)
-            full = self._pod_env(tuple(n.name for n in nics if _has_uverbs(n)), found.env)
+            found = nccl_env.workload_env(facts_of(self._facts, nics), self.rules.env_settings)
+            full = self.rules.pod_env(tuple(n.name for n in nics if _has_uverbs(n)), found.env)
             self._env += ((scope, replace(found, env=full)),)
         for scope, env in self._env:
             where = f"{self.name}{f' ({scope})' if scope else ''}"
@@ -198,114 +355,94 @@ class ResourcePool:
                 elif variable in env.env:
                     self._said.cleared(f"{scope} {variable}", f"{where}: {variable}={env.env[variable]} set again")
 
-    def _shared_keys(self) -> list[tuple[str, ...]]:
-        """The allocation keys of a shared pool: one, or one per NUMA node of a -local pool."""
-        if self.spec.kind == LOCAL:
-            return [(str(n),) for n in sorted({n.numa_node for n in self._nics.values() if n.numa_node is not None})]
-        return [()]
-
-    def _nics_for(self, key: tuple[str, ...]) -> list[Nic]:
-        """The present NICs an allocation key hands out (shared pools), by name."""
-        nics = sorted(self._nics.values(), key=lambda n: n.name)
-        if self.spec.kind == LOCAL:
-            return [n for n in nics if str(n.numa_node) in key]
-        return nics
-
     def _env_scopes(self) -> list[tuple[str, list[Nic]]]:
         """What the status shows a pod gets: the pool's NICs, or each NUMA node's of a -local pool."""
         if self.spec.kind == LOCAL:
-            return [(f"numa{key[0]}", self._nics_for(key)) for key in self._shared_keys()]
+            keys = self.rules.shared_keys(self._nics)
+            return [(f"numa{key[0]}", self.rules.nics_for(key, self._nics)) for key in keys]
         return [("", sorted(self._nics.values(), key=lambda n: n.name))] if self._nics else []
 
-    def _facts_of(self, nics: Sequence[Nic]) -> list[NicFacts]:
-        return [self._facts[nic_identity(n)] for n in nics if nic_identity(n) in self._facts]
-
-    def set_port_states(self, states: dict[str, tuple[str, ...] | None]) -> bool:
+    def set_port_states(self, states: Mapping[str, tuple[str, ...] | None]) -> bool:
         """Apply a health probe (RDMA device name -> port states, None when gone)."""
-        with self._lock:
-            by_name = {nic.name: key for key, nic in self._seen.items()}
-            for name, ports in states.items():
-                key = by_name.get(name)
-                if key is not None:
-                    present = ports is not None and key in self._nics
-                    self._health[key] = NicHealth(present, ports or (), _has_uverbs(self._seen[key]))
-            changed = self._recompute()
-        return self._notify(changed)
+        by_name = {nic.name: key for key, nic in self._seen.items()}
+        for name, ports in states.items():
+            key = by_name.get(name)
+            if key is not None:
+                present = ports is not None and key in self._nics
+                self._health[key] = NicHealth(present, ports or (), _has_uverbs(self._seen[key]))
+        return self._publish()
 
-    def health_changes(self, before: dict[str, NicHealth]) -> list[str]:
+    def set_held(self, held: Mapping[str, Hold]) -> bool:
+        """The NICs held down after flapping (by identity, node-wide): Unhealthy while held."""
+        wall = time.time() - time.monotonic()
+        self._held = {key: (hold, wall + hold.until) for key, hold in held.items() if key in self._seen}
+        return self._publish()
+
+    def set_probe_failure(self, reason: str | None) -> bool:
+        """The health probe has failed for too long (``reason``): every device is Unhealthy until
+        it works again (None)."""
+        self._probe_failure = reason
+        return self._publish()
+
+    def close(self) -> None:
+        """Wake every waiting stream so it can end (shutdown only)."""
+        self._closed = True
+        self._publish()
+
+    @property
+    def closed(self) -> bool:
+        return self.view.closed
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    # ------------------------------------------------------------------ owner state
+
+    def health_changes(self, before: Mapping[str, NicHealth]) -> list[str]:
         """Human-readable lines for NICs whose health differs from ``before`` (a copy of health_state())."""
-        out = []
-        with self._lock:
-            for key, health in sorted(self._health.items()):
-                if before.get(key) != health:
-                    out.append(f"{self._seen[key].name} {health.describe()}")
-            state = self._devices[0].health if self.mode == "shared" and self._devices else None
+        out = [
+            f"{self._seen[key].name} {health.describe()}"
+            for key, health in sorted(self._health.items())
+            if before.get(key) != health and key not in self._held  # a held NIC's flaps: see discovery
+        ]
         if not out:
             return []
+        state = self._devices[0].health if self.mode == "shared" and self._devices else None
         effect = f"{self.name} {state} (policy {self.policy})" if state else f"{self.name} devices updated"
         return [f"{line}: {effect}" for line in out]
 
     def health_state(self) -> dict[str, NicHealth]:
-        with self._lock:
-            return dict(self._health)
+        return dict(self._health)
 
-    def close(self) -> None:
-        """Wake every waiting stream so it can end (shutdown only)."""
-        with self._lock:
-            self._closed = True
-        self._notify(True)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        with self._lock:
-            self._listeners.append(listener)
-
-    def remove_listener(self, listener: Callable[[], None]) -> None:
-        with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
-    # ------------------------------------------------------------------ state
+    def nic_names(self) -> dict[str, str]:
+        """Identity -> RDMA device name of every NIC the pool knows."""
+        return {key: nic.name for key, nic in self._seen.items()}
 
     def _usable(self, key: str) -> bool:
         health = self._health.get(key)
-        return key in self._nics and health is not None and health.healthy
-
-    def _recompute(self) -> bool:
-        """Derive the device list (under the lock); True when it changed."""
-        if self.mode == "shared":
-            devices = self._shared_devices()
-        else:
-            devices = tuple(
-                Device(nic.pci_address, HEALTHY if self._usable(key) else UNHEALTHY, nic.numa_node)
-                for key, nic in sorted(self._seen.items(), key=lambda kv: kv[1].pci_address)
-            )
-        if devices == self._devices:
-            return False
-        if self.mode != "shared" or not self._device_ids:  # shared IDs never change
-            self._device_ids = frozenset(d.id for d in devices)
-        self._devices = devices
-        self._version += 1
-        return True
-
-    def _notify(self, changed: bool) -> bool:
-        """Tell the listeners, outside the lock: one may take its time (a stream encodes the snapshot)."""
-        if changed:
-            with self._lock:
-                listeners = list(self._listeners)
-            for listener in listeners:
-                listener()
-        return changed
+        return (
+            self._probe_failure is None
+            and key in self._nics
+            and key not in self._held
+            and health is not None
+            and health.healthy
+        )
 
     def _health_of(self, keys: Sequence[str]) -> str:
         usable = [self._usable(key) for key in keys]
         ok = all(usable) if self.policy == "all" else any(usable)
         return HEALTHY if ok else UNHEALTHY
 
-    def _shared_devices(self) -> tuple[Device, ...]:
+    def _device_list(self) -> tuple[Device, ...]:
+        if self.mode != "shared":
+            return tuple(
+                Device(nic.pci_address, HEALTHY if self._usable(key) else UNHEALTHY, nic.numa_node)
+                for key, nic in sorted(self._seen.items(), key=lambda kv: kv[1].pci_address)
+            )
         if not self._seen:
             return ()  # nothing selected on this node: advertise nothing rather than 1k of nothing
         if self.spec.kind == LOCAL:  # one block per NUMA node with NICs, each with its own health
@@ -319,43 +456,82 @@ class ResourcePool:
                 if len(self._shared_lists) >= 8:  # bounded: nodes x 2 health states come and go
                     self._shared_lists.clear()
                 per_node = dict(state)
-                devices = tuple(Device(i, per_node[n], n) for i, n in self._numa_of.items() if n in per_node)
+                devices = tuple(Device(i, per_node[n], n) for i, n in self.rules.numa_of.items() if n in per_node)
                 self._shared_lists[state] = devices
             return devices
         health = self._health_of(list(self._seen))
         found = self._shared_lists.get(health)
         if found is None:
-            found = self._shared_lists[health] = tuple(Device(i, health, n) for i, n in self._numa_of.items())
+            found = self._shared_lists[health] = tuple(Device(i, health, n) for i, n in self.rules.numa_of.items())
         return found
 
-    def snapshot(self) -> tuple[int, tuple[Device, ...]]:
-        with self._lock:
-            return self._version, self._devices
+    def _message(self, devices: tuple[Device, ...]) -> bytes:
+        """Serialized once per device list; the last two kept (a port flipping back and forth)."""
+        if self._encoded and self._encoded[0][0] is devices:
+            return self._encoded[0][1]
+        found = next((data for listed, data in self._encoded if listed == devices), None)
+        if found is None:
+            found = encode_devices(devices)
+            self._encoded = [(devices, found), *self._encoded[:1]]
+        return found
 
-    def present_nics(self) -> list[Nic]:
-        """Selected NICs currently on the node, by RDMA device name."""
-        with self._lock:
-            return sorted(self._nics.values(), key=lambda n: n.name)
+    def _publish(self) -> bool:
+        """Publish a new view when anything a reader sees changed; tell the listeners. True when the
+        device list changed (what the kubelet sees)."""
+        devices = self._device_list()
+        changed = devices != self._devices
+        if changed:
+            self._devices = devices
+            self._device_ids = frozenset(d.id for d in devices)
+            self._version += 1
+        self.view = self._view(self._message(devices))  # one reference: readers see the old or the new, whole
+        for listener in list(self._listeners):
+            listener()
+        return changed
 
-    def nic_summary(self) -> list[dict[str, object]]:
-        """Every NIC the pool has seen, by name: identity, presence, ports, health and why."""
-        with self._lock:
-            out: list[dict[str, object]] = []
-            for key, nic in sorted(self._seen.items(), key=lambda kv: kv[1].name):
-                health = self._health.get(key, NicHealth(False, ()))
-                out.append(
-                    {
-                        "name": nic.name,
-                        "pci_address": nic.pci_address,
-                        "present": key in self._nics,
-                        "ports": list(health.ports),
-                        "healthy": self._usable(key),
-                        "why": health.why,
-                        "numa_node": nic.numa_node,
-                        "gid": self._gid_shown(key),
-                    }
-                )
-            return out
+    def _view(self, message: bytes) -> PoolView:
+        devices = self._devices
+        return PoolView(
+            rules=self.rules,
+            version=self._version,
+            devices=devices,
+            device_ids=self._device_ids,
+            message=message,
+            healthy=sum(1 for d in devices if d.health == HEALTHY),
+            nics=MappingProxyType(self._nics),
+            facts=MappingProxyType(self._facts),
+            answers=self._answers,
+            responses=self._responses,
+            summary=tuple(self._summary()),
+            env=self._env,
+            closed=self._closed,
+        )
+
+    def _summary(self) -> list[dict[str, object]]:
+        out: list[dict[str, object]] = []
+        for key, nic in sorted(self._seen.items(), key=lambda kv: kv[1].name):
+            health = self._health.get(key, NicHealth(False, ()))
+            out.append(
+                {
+                    "name": nic.name,
+                    "pci_address": nic.pci_address,
+                    "present": key in self._nics,
+                    "ports": list(health.ports),
+                    "healthy": self._usable(key),
+                    "why": self._probe_failure or health.why or self._held_why(key),
+                    "numa_node": nic.numa_node,
+                    "gid": self._gid_shown(key),
+                }
+            )
+        return out
+
+    def _held_why(self, key: str) -> str:
+        held = self._held.get(key)
+        if held is None:
+            return ""
+        hold, until = held
+        at = time.strftime("%H:%M:%S", time.gmtime(until))
+        return f"held down after {hold.flaps} flaps: Healthy at {at} UTC if it stays up (health.flapDamping)"
 
     def _gid_shown(self, key: str) -> str:
         """NCCL's GID on the NIC's first RoCE port for the family the pool's env uses ("" without)."""
@@ -364,83 +540,34 @@ class ResourcePool:
         picks = facts.picks_for(family) if facts is not None and family else ()
         return picks[0].shown if picks else ""
 
+    # ------------------------------------------------------------------ reads (the view: any thread)
+
+    def snapshot(self) -> tuple[int, tuple[Device, ...]]:
+        view = self.view
+        return view.version, view.devices
+
+    def present_nics(self) -> list[Nic]:
+        """Selected NICs currently on the node, by RDMA device name."""
+        return self.view.present_nics()
+
+    def nic_summary(self) -> list[dict[str, object]]:
+        """Every NIC the pool has seen, by name: identity, presence, ports, health and why."""
+        return [dict(n) for n in self.view.summary]
+
     def workload_env(self) -> tuple[tuple[str, WorkloadEnv], ...]:
         """(scope, env) a pod gets from the pool's present NICs (its whole env, and what was left
         unset): one entry (scope ""), or one per NUMA node (``numa0`` ...) of a -local pool.
         Exclusive mode: a pod given every NIC."""
-        with self._lock:
-            return self._env
-
-    # ------------------------------------------------------------------ Allocate
+        return self.view.env
 
     def allocation_key(self, device_ids: Sequence[str]) -> tuple[str, ...]:
-        """What an answer depends on: nothing in shared mode (every pod gets every NIC), the NUMA
-        nodes of the IDs in a -local pool, the set of IDs in exclusive mode (sorted: the kubelet
-        sends them in map order)."""
-        if self.mode != "shared":
-            return tuple(sorted(device_ids))
-        if self.spec.kind == LOCAL:
-            return tuple(sorted({str(self._numa_of.get(d)) for d in device_ids}))
-        return ()
+        return self.rules.key(device_ids)
 
     def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
-        """What a container given ``device_ids`` receives: the same answer for the same set of IDs,
-        whatever their order (exclusive NICs are handed out by PCI address)."""
-        with self._lock:
-            unknown = [d for d in device_ids if d not in self._device_ids]
-            if unknown:
-                raise AllocationError(f"unknown device ID(s) {unknown} for resource {self.name}")
-            if not device_ids:
-                raise AllocationError(f"empty device list for resource {self.name}")
-            if len(set(device_ids)) != len(device_ids):
-                dupes = sorted({d for d in device_ids if list(device_ids).count(d) > 1})
-                raise AllocationError(f"device ID(s) {dupes} requested more than once for resource {self.name}")
-            key = self.allocation_key(device_ids)
-            cached = self._allocations.get(key)
-            if cached is not None:
-                return cached
-            if self.mode == "shared":
-                nics = self._nics_for(key)
-            else:  # exclusive device IDs are PCI addresses, which are the NICs' identities
-                gone = [d for d in key if d not in self._nics]
-                if gone:
-                    raise AllocationError(f"NIC(s) {gone} of resource {self.name} are no longer present")
-                nics = [self._nics[d] for d in key]
-            alloc = self._allocation_of(nics)
-            if len(self._allocations) < 4096:  # bounded: a node has a handful of NICs
-                self._allocations[key] = alloc
-            return alloc
-
-    def _allocation_of(self, nics: list[Nic]) -> ContainerAllocation:
-        nics = [n for n in nics if _has_uverbs(n)]
-        if not nics:
-            raise AllocationError(f"no RDMA NIC of resource {self.name} is present on the node")
-        return self._container_allocation(nics)
-
-    def _container_allocation(self, nics: list[Nic]) -> ContainerAllocation:
-        chars = [c for nic in nics for c in nic.char_devices(self.with_umad, self.with_issm)]
-        specs = [DeviceSpec(c.node_path, c.node_path) for c in chars]
-        specs.append(DeviceSpec(RDMA_CM_PATH, RDMA_CM_PATH))
-        names = tuple(n.name for n in nics)
-        envs = self._pod_env(names, nccl_env.workload_env(self._facts_of(nics), self.env_settings).env)
-        if self.cdi_kind is not None:
-            group = cdi.numa_group(nics) if self.spec.kind == LOCAL else None
-            return ContainerAllocation((), envs, names, cdi.allocation_devices(self.cdi_kind, self.mode, nics, group))
-        return ContainerAllocation(tuple(specs), envs, names)
-
-    def _pod_env(self, names: tuple[str, ...], computed: dict[str, str]) -> dict[str, str]:
-        """A container's env, low to high: computed (workloadEnv), non-hostNetwork defaults, the
-        config's env, RDMA_DEVICES."""
-        defaults = netchecks.default_env() if self.non_host_network else {}
-        return {**computed, **defaults, **self.extra_env, "RDMA_DEVICES": ",".join(names)}
-
-    # ------------------------------------------------------------------ preferred allocation
+        return self.view.allocate(device_ids)
 
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-        """Exclusive mode: must_include first, then NICs that keep the pod on the fewest NUMA nodes."""
-        with self._lock:
-            numa = {d.id: d.numa_node for d in self._devices}
-        return preferred_allocation(available, must_include, size, numa)
+        return self.view.preferred(available, must_include, size)
 
 
 def preferred_allocation(

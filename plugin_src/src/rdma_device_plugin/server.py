@@ -19,47 +19,37 @@ client, grpcurl, a client the kubelet left open) ends with a debug line and noth
 that opened a stream in the milliseconds between Register and the kubelet's own call would be taken
 for the kubelet (its end would cost one spare registration).
 
-ListAndWatch messages are serialized once per change of the pool, in the thread that changed it
-(:class:`SnapshotFeed`), and every stream sends the same bytes.
+Handlers read only what the pool's owner (the supervisor's thread) publishes: ``pool.view``, an
+immutable picture read once per call (:mod:`.resources`), whose ListAndWatch message is already
+serialized, so every stream sends the same bytes. No lock is shared with that thread: what the
+handlers learn (a stream of the kubelet opened or ended, its first Allocate) goes to the
+supervisor as an event (``on_stream``), and what the observers count on this loop stays here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from .affinity import NodeAffinity
+from . import logs, sockets
 from .api import deviceplugin_pb2 as pb
 from .api import deviceplugin_pb2_grpc as pb_grpc
-from .kubeletapi import API_VERSION, HEALTHY, KUBELET_SOCKET, MAX_SOCKET_PATH
-from .node.sysfs import Nic
-from .resources import AllocationError, ContainerAllocation, Device, ResourcePool
+from .kubeletapi import API_VERSION, KUBELET_SOCKET, MAX_SOCKET_PATH
+from .published import NodeView
+from .resources import AllocationError, ContainerAllocation, ResourcePool
 
 LOG = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_SECONDS = 10.0  # the kubelet's own dial-back waits up to 10 s (client.go dial)
-
-
-def device_message(device: Device) -> Any:
-    msg = pb.Device(ID=device.id, health=device.health)
-    if device.numa_node is not None:
-        msg.topology.nodes.add(ID=device.numa_node)
-    return msg
-
-
-def encode_snapshot(devices: Sequence[Device]) -> bytes:
-    """A ListAndWatchResponse on the wire."""
-    data: bytes = pb.ListAndWatchResponse(devices=[device_message(d) for d in devices]).SerializeToString()
-    return data
 
 
 def allocation_message(alloc: ContainerAllocation) -> Any:
@@ -71,17 +61,10 @@ def allocation_message(alloc: ContainerAllocation) -> Any:
     return resp
 
 
-@dataclass(frozen=True)
-class LiveStatus:
-    """What the supervisor shows the metrics at scrape time."""
-
-    loops: Mapping[str, float]  # loop name -> wall time it last completed
-    registered: frozenset[str]  # resources registered with the current kubelet
-    kubelet_streams: frozenset[str]  # resources whose kubelet ListAndWatch stream is open
-
-
 class Hooks:
-    """Optional observers (metrics); every method is a no-op here."""
+    """Optional observers (status file, metrics); every method is a no-op here. ``allocated`` runs on
+    the gRPC loop at every Allocate (an implementation keeps it to an append or an int); the others
+    on the supervisor's thread. What they show comes from what the supervisor publishes."""
 
     def allocated(self, resource: str, seconds: float, ok: bool) -> None: ...
 
@@ -91,25 +74,25 @@ class Hooks:
 
     def rediscovered(self) -> None: ...
 
-    def port_states(self, states: Mapping[str, tuple[str, ...] | None]) -> None: ...
-
     def pools_ready(self, pools: Sequence[ResourcePool]) -> None: ...
-
-    def nics_found(self, nics: Sequence[Nic]) -> None: ...
-
-    def affinity_found(self, node: NodeAffinity) -> None:
-        """The GPUs of every served NIC, read at a re-list."""
 
     def stream_ended(self, resource: str) -> None:
         """The kubelet's ListAndWatch stream of ``resource`` ended while serving."""
 
-    def supervising(self, status: Callable[[], LiveStatus]) -> None: ...
+    def probe_failed(self) -> None:
+        """A run of the health probe failed (raised)."""
+
+    def published(self, view: NodeView) -> None:
+        """The supervisor published a new picture of the node (published.NodeView)."""
+
+    def supervising(self, loops: Callable[[], Mapping[str, float]]) -> None:
+        """Where to read when each step of the supervisor loop last completed (an immutable mapping)."""
 
 
 class _Loop:
     """The one asyncio loop every plugin server and kubelet call runs on, in a daemon thread."""
 
-    _lock = threading.Lock()
+    _lock = threading.Lock()  # threads starting the loop (the supervisor's, a test's); never taken on it
     _loop: asyncio.AbstractEventLoop | None = None
     _keep: Any = None
 
@@ -154,48 +137,9 @@ class _Wake:
         event.set()
 
 
-class SnapshotFeed:
-    """A pool's ListAndWatch message, serialized once per change for every stream of every server.
-
-    The pool's first listener: it encodes in the thread that changed the pool (the supervisor's),
-    outside the pool's lock, before the servers' listeners wake their streams, which only send the
-    bytes. One per pool, for the life of the process (servers come and go)."""
-
-    def __init__(self, pool: ResourcePool) -> None:
-        self.pool = pool
-        self._lock = threading.Lock()
-        self._version = -1
-        self._data = b""
-        self._healthy = 0
-        # The last two device lists and their messages: a port that flips back and forth (shared
-        # mode: the pool's all-Healthy and all-Unhealthy lists) is encoded once per state.
-        self._encoded: list[tuple[tuple[Device, ...], bytes, int]] = []
-        pool.add_listener(self.changed)
-
-    def current(self) -> tuple[int, bytes]:
-        """(version, message bytes) of the pool's devices now."""
-        version, devices = self.pool.snapshot()
-        with self._lock:
-            if version != self._version:
-                found = next((e for e in self._encoded if e[0] == devices), None)
-                if found is None:
-                    healthy = sum(1 for d in devices if d.health == HEALTHY)
-                    found = (devices, encode_snapshot(devices), healthy)
-                    self._encoded = [found, *self._encoded[:1]]
-                _, self._data, self._healthy = found
-                self._version = version
-            return self._version, self._data
-
-    def healthy(self) -> int:
-        """Healthy devices in the message :meth:`current` last returned."""
-        return self._healthy
-
-    def changed(self) -> None:
-        self.current()
-
-
-# A stream event for the supervisor: (resource, server, what) with what one of
-# "kubelet opened", "kubelet ended", "other ended".
+# An event of a server for the supervisor: (resource, server, what) with what one of
+# "kubelet opened", "kubelet ended", "other ended" (streams) and "kubelet called" (the first Allocate
+# or GetPreferredAllocation).
 StreamEvent = Callable[[str, "PluginServer", str], None]
 
 
@@ -207,27 +151,26 @@ def _user_agent(context: Any) -> str:
 
 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
+    """Reads only ``pool.view`` (the owner's published picture), once per call: no lock, no state of
+    the pool's owner; everything else here is the gRPC loop's own."""
+
     def __init__(
         self,
         pool: ResourcePool,
-        feed: SnapshotFeed,
         wake: _Wake,
         hooks: Hooks | None = None,
         on_stream: Callable[[str], None] | None = None,
     ) -> None:
         self.pool = pool
-        self.feed = feed
         self.wake = wake
         self.hooks = hooks or Hooks()
         self.on_stream = on_stream  # "kubelet opened", "kubelet ended", "other ended"
         self.stopping = False
         self.streams = 0  # open ListAndWatch streams, the kubelet's and others'
+        self.ended = asyncio.Event()  # set when stopping and no stream is open any more
         self._expect_kubelet = False  # the next stream is the kubelet's (Register was sent)
         self._kubelet_stream: object | None = None  # the kubelet's open stream
-        # The AllocateResponse of each answer (pool.allocation_key per container), built once and
-        # reused until the pool drops its allocations (allocations_version). Read-only once built.
-        self._responses: dict[tuple[tuple[str, ...], ...], Any] = {}
-        self._responses_version = pool.allocations_version
+        self._confirmed = False  # a kubelet call came (see _kubelet_called)
 
     @property
     def kubelet_stream_open(self) -> bool:
@@ -241,23 +184,22 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
             self._kubelet_stream = None
 
     def _response(self, requests: Sequence[Sequence[str]]) -> Any:
-        allocs = [self.pool.allocate(ids) for ids in requests]  # validates the IDs every time
-        if self._responses_version != self.pool.allocations_version:
-            self._responses.clear()
-            self._responses_version = self.pool.allocations_version
-        key = tuple(self.pool.allocation_key(ids) for ids in requests)
-        response = self._responses.get(key)
+        # One view for the whole call: the answer, and its cached response, are those of the NIC set
+        # the view describes (the AllocateResponse of each answer is built once per NIC set).
+        view = self.pool.view
+        allocs = [view.allocate(ids) for ids in requests]  # validates the IDs every time
+        key = tuple(view.rules.key(ids) for ids in requests)
+        response = view.responses.get(key)
         if response is not None:
             return response
-        if len(self._responses) >= 4096:  # bounded: a node has a handful of NICs
-            self._responses.clear()
         response = pb.AllocateResponse(container_responses=[allocation_message(a) for a in allocs])
-        self._responses[key] = response
+        if len(view.responses) < 4096:  # bounded: a node has a handful of NICs
+            view.responses[key] = response
         # Once per new answer, not per call (the kubelet logs every allocation itself; a log line
         # per call cost more than building the answer, issue 11): what this resource hands out now.
         LOG.info(
             "Allocate answer",
-            extra={"resource": self.pool.name, "nics": ";".join(",".join(a.nics) for a in allocs)},
+            extra={"resource": self.pool.name, "nics": ";".join(logs.names(a.nics) for a in allocs)},
         )
         return response
 
@@ -274,7 +216,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
             self._expect_kubelet = False
             self._kubelet_stream = me
         self.streams += 1
-        version, data = self.feed.current()
+        view = self.pool.view
+        version = view.version
         LOG.info(
             "ListAndWatch opened",
             extra={"resource": self.pool.name, "kubelet": kubelet, "client": _user_agent(context)},
@@ -282,25 +225,27 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         if kubelet and self.on_stream is not None:
             self.on_stream("kubelet opened")
         try:
-            yield data
-            while not self.stopping and not self.pool.closed:
+            yield view.message
+            while not self.stopping and not view.closed:
                 event = self.wake.event
-                new_version, data = self.feed.current()
-                if new_version == version:
+                view = self.pool.view
+                if view.version == version:
                     await event.wait()
                     continue
-                version = new_version
+                version = view.version
                 LOG.info(
                     "sending snapshot",
-                    extra={"resource": self.pool.name, "healthy": self.feed.healthy(), "bytes": len(data)},
+                    extra={"resource": self.pool.name, "healthy": view.healthy, "bytes": len(view.message)},
                 )
-                yield data
+                yield view.message
         finally:
             self.streams -= 1
+            if self.stopping and not self.streams:
+                self.ended.set()
             ours = self._kubelet_stream is me
             if ours:
                 self._kubelet_stream = None
-            if not self.stopping and not self.pool.closed:
+            if not self.stopping and not self.pool.view.closed:
                 if ours:
                     if self.on_stream is not None:
                         self.on_stream("kubelet ended")
@@ -312,8 +257,17 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
                     if self.on_stream is not None:
                         self.on_stream("other ended")
 
+    def _kubelet_called(self) -> None:
+        """Allocate and GetPreferredAllocation come only from the kubelet, only to the endpoint it
+        holds for the resource: the first one tells the supervisor that this registration is it."""
+        if not self._confirmed:
+            self._confirmed = True
+            if self.on_stream is not None:
+                self.on_stream("kubelet called")
+
     async def Allocate(self, request: Any, context: Any) -> Any:
         start = time.perf_counter()
+        self._kubelet_called()
         try:
             response = self._response([list(creq.devices_ids) for creq in request.container_requests])
         except AllocationError as exc:
@@ -326,9 +280,11 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         return response
 
     async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+        self._kubelet_called()
         response = pb.PreferredAllocationResponse()
+        view = self.pool.view
         for creq in request.container_requests:
-            ids = self.pool.preferred(
+            ids = view.preferred(
                 list(creq.available_deviceIDs), list(creq.must_include_deviceIDs), creq.allocation_size
             )
             response.container_responses.add(deviceIDs=ids)
@@ -339,7 +295,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
 
 
 def _method_handlers(servicer: DevicePluginServicer) -> Any:
-    """The generated service table, with ListAndWatch sending pre-serialized bytes (SnapshotFeed)."""
+    """The generated service table, with ListAndWatch sending the view's pre-serialized bytes."""
 
     class _Capture:
         handlers: dict[str, Any] = {}
@@ -357,26 +313,29 @@ def _method_handlers(servicer: DevicePluginServicer) -> Any:
     return capture.handlers
 
 
+class SocketVanished(OSError):
+    """The socket file was deleted between bind and the first look at it."""
+
+
 class PluginServer:
     """One resource's gRPC server on ``<device_plugin_dir>/<socket_name>`` (a name used once)."""
 
     def __init__(
         self,
         pool: ResourcePool,
-        feed: SnapshotFeed,
         device_plugin_dir: str,
         socket_name: str,
         hooks: Hooks | None = None,
         on_stream: StreamEvent | None = None,
     ):
         self.pool = pool
-        self.feed = feed
         self.dir = device_plugin_dir
         self.socket_name = socket_name
         self.path = os.path.join(device_plugin_dir, socket_name)
         self.hooks = hooks or Hooks()
         self.on_stream = on_stream
         self._server: grpc.aio.Server | None = None
+        self._notify: Callable[[], None] | None = None
         self._servicer: DevicePluginServicer | None = None
         self._inode: int | None = None
 
@@ -397,7 +356,7 @@ class PluginServer:
             if self.on_stream is not None:
                 self.on_stream(self.pool.name, self, what)
 
-        servicer = DevicePluginServicer(self.pool, self.feed, wake, self.hooks, stream_event)
+        servicer = DevicePluginServicer(self.pool, wake, self.hooks, stream_event)
         handlers = _method_handlers(servicer)
 
         async def start() -> grpc.aio.Server:
@@ -411,12 +370,17 @@ class PluginServer:
             server = _Loop.run(start())
         except RuntimeError as exc:  # grpc: "Failed to bind to address ..." (read-only or vanished dir)
             raise OSError(f"cannot bind a unix socket in {self.dir}: {exc}") from None
-        try:
-            self._inode = os.lstat(self.path).st_ino
-        except OSError:
+        # A newer instance may have renamed it to <name>.retiring already (taking over): still ours
+        # (a name is used once), and present() then says it is gone.
+        for path in (self.path, self.path + sockets.RETIRING):
+            with contextlib.suppress(FileNotFoundError):
+                self._inode = os.lstat(path).st_ino
+                break
+        else:
             _Loop.run(server.stop(0))
-            raise
-        self.pool.add_listener(wake.notify)  # after the feed's: the message is encoded when streams wake
+            raise SocketVanished(f"plugin socket {self.path} was removed as it was bound")
+        self._notify = wake.notify
+        self.pool.add_listener(self._notify)  # the pool's owner publishes, then wakes our streams
         self._server, self._servicer = server, servicer
         LOG.info("serving", extra={"resource": self.pool.name, "socket": self.path})
 
@@ -435,27 +399,50 @@ class PluginServer:
         return self._servicer is not None and self._servicer.kubelet_stream_open
 
     async def stop_async(self, grace: float = 0.5) -> None:
-        """Stop serving (on the loop): streams end, the socket file goes."""
+        """Stop serving (on the loop): the file is renamed <name>.retiring (other instances wait for
+        our streams' ends), the streams end, then the file goes."""
         server, self._server = self._server, None
         servicer, self._servicer = self._servicer, None
         if server is None:
             return
+        with contextlib.suppress(OSError):
+            if os.lstat(self.path).st_ino == self._inode:
+                os.rename(self.path, self.path + sockets.RETIRING)
         if servicer is not None:
             servicer.stopping = True
-            self.pool.remove_listener(servicer.wake.notify)
-            servicer.wake.notify()  # wake its streams so they end
+            if servicer.streams:
+                servicer.wake.notify()  # wake its streams so they end
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(servicer.ended.wait(), grace)
+        # Our streams are over: the file goes now, not after the server's shutdown, as it tells the
+        # instance that stays to register again (:mod:`.registration`).
+        self._unlink()
         await server.stop(grace)
-        try:
-            if os.lstat(self.path).st_ino == self._inode:
-                os.unlink(self.path)  # grpc normally has; never a file that is not ours
-        except FileNotFoundError:
-            pass
+        self._unlink()
+
+    def _unlink(self) -> None:
+        """Our file, under the name we served or renamed by a newer instance that took over: never a
+        file that is not ours."""
+        for path in (self.path, self.path + sockets.RETIRING):
+            try:
+                if os.lstat(path).st_ino == self._inode:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def forget(self) -> None:
+        """No more wake-ups from the pool (on the pool owner's thread, as every listener change)."""
+        if self._notify is not None:
+            self.pool.remove_listener(self._notify)
+            self._notify = None
 
     def stop(self, grace: float = 0.5) -> None:
+        self.forget()
         _Loop.run(self.stop_async(grace), timeout=grace + 10.0)
 
     def stop_soon(self, grace: float = 0.5) -> concurrent.futures.Future[None]:
         """Stop on the loop without waiting for it (an Allocate in flight gets its grace there)."""
+        self.forget()
         return _Loop.submit(self.stop_async(grace))
 
     def register(self, timeout: float = REGISTER_TIMEOUT_SECONDS) -> concurrent.futures.Future[None]:
@@ -482,7 +469,6 @@ class PluginServer:
         except BaseException:
             servicer.expect_kubelet(False)
             raise
-        self.hooks.registered(self.pool.name)
         LOG.info("registered with kubelet", extra={"resource": self.pool.name, "endpoint": self.socket_name})
 
 
@@ -491,6 +477,10 @@ def stop_all(
 ) -> None:
     """Stop servers together, and let the ones already stopping finish: the exit takes one grace
     period, not one per resource."""
+
+    servers = list(servers)
+    for server in servers:
+        server.forget()
 
     async def stop() -> None:
         await asyncio.gather(*(s.stop_async(grace) for s in servers))

@@ -12,11 +12,24 @@
 Two instances on a node (a DaemonSet rolling update, the two DaemonSets of a mode switch) therefore
 never share a path: kubelets with kubernetes PR 135437 track endpoints by socket path and refuse a
 second registration of a path, and the 1.28-1.34 ones cut the client registered now when an older
-stream ends. A name is used once, so grpc's unlink of its bound path never touches another file.
+stream ends. A name is used once, so grpc's unlink of its bound path never touches another file;
+and every registration is of a name never registered before (:mod:`.registration`).
+
+A newer instance that took over renames an older one's socket to ``<name>.retiring``: the older
+instance (the listening socket stays bound to the file) sees its name gone, stops serving and
+removes the ``.retiring`` file, which tells the newer one that the older one's streams are over.
+
+Each instance also holds an exclusive ``flock`` on ``<dir>/rdma-device-plugin/instances/<instance>``
+for its whole life (:class:`InstanceLock`): whether an instance is alive, whatever the kubelet did
+to its sockets (a kubelet restart deletes them all for a moment; it keeps subdirectories), and
+whether it died (the kernel releases the lock of a killed process).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
 import socket
 import time
@@ -26,6 +39,8 @@ from .kubeletapi import MAX_SOCKET_PATH
 
 PREFIX = "rdma-dp-"
 SUFFIX = ".sock"
+RETIRING = ".retiring"  # appended by the newer instance that took over (see above)
+INSTANCES_DIR = os.path.join("rdma-device-plugin", "instances")  # in the device-plugin dir
 _INSTANCE_DIGITS = 20
 _MAX_START_DIGITS = 6  # server starts within one process: a million kubelet restarts
 # The longest name beyond the base: "." + instance + "." + n + ".sock".
@@ -56,26 +71,34 @@ class SocketName:
     start: int
     base: str
     name: str
+    retiring: bool = False  # renamed by a newer instance that took over
+
+    @property
+    def served_name(self) -> str:
+        """The name the instance served it under."""
+        return self.name[: -len(RETIRING)] if self.retiring else self.name
 
 
 def parse(name: str) -> SocketName | None:
-    """The parts of one of our socket names, or None for any other file."""
-    if not name.startswith(PREFIX) or not name.endswith(SUFFIX):
+    """The parts of one of our socket names (served or retiring), or None for any other file."""
+    retiring = name.endswith(SUFFIX + RETIRING)
+    stem = name[: -len(RETIRING)] if retiring else name
+    if not stem.startswith(PREFIX) or not stem.endswith(SUFFIX):
         return None
-    parts = name[: -len(SUFFIX)].split(".")
+    parts = stem[: -len(SUFFIX)].split(".")
     if len(parts) != 3 or len(parts[1]) != _INSTANCE_DIGITS or not parts[2].isdigit():
         return None
     try:
         int(parts[1], 16)
     except ValueError:
         return None
-    return SocketName(parts[1], int(parts[2]), parts[0], name)
+    return SocketName(parts[1], int(parts[2]), parts[0], name, retiring)
 
 
 def path_problem(device_plugin_dir: str, resource: str) -> str | None:
     """Why ``resource``'s socket paths would not fit a unix socket address in the dir, or None."""
     path = f"{device_plugin_dir.rstrip('/')}/{base_name(resource)}"
-    longest = len(path.encode()) + MAX_SUFFIX_LENGTH
+    longest = len(path.encode()) + MAX_SUFFIX_LENGTH  # a retiring name is renamed, never bound
     if longest <= MAX_SOCKET_PATH:
         return None
     return (
@@ -85,7 +108,7 @@ def path_problem(device_plugin_dir: str, resource: str) -> str | None:
 
 
 def instances(device_plugin_dir: str, resource: str) -> list[SocketName]:
-    """Every socket of ``resource`` in the dir (any instance, live or stale), oldest first."""
+    """Every socket of ``resource`` in the dir (any instance, live, stale or retiring), oldest first."""
     base = base_name(resource)
     try:
         entries = os.listdir(device_plugin_dir)
@@ -93,6 +116,15 @@ def instances(device_plugin_dir: str, resource: str) -> list[SocketName]:
         return []
     found = [p for p in map(parse, entries) if p is not None and p.base == base]
     return sorted(found)
+
+
+def file_id(path: str) -> tuple[int, int] | None:
+    """(inode, ctime) of a file: one kubelet start, for kubelet.sock; None when it is missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_ctime_ns)
 
 
 def listening(path: str) -> bool:
@@ -106,3 +138,87 @@ def listening(path: str) -> bool:
         except OSError:
             return False
     return True
+
+
+class InstanceLock:
+    """This instance's lock file, held (``flock`` exclusive) from start to exit."""
+
+    def __init__(self, device_plugin_dir: str, instance: str = INSTANCE) -> None:
+        self.device_plugin_dir = device_plugin_dir
+        self.dir = os.path.join(device_plugin_dir, INSTANCES_DIR)
+        self.path = os.path.join(self.dir, instance)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Raises OSError when the file cannot be made (the caller falls back to sockets alone)."""
+        if self._fd is not None:
+            os.close(self._fd)  # a lock file that lost its name: this one replaces it
+            self._fd = None
+        if not os.path.isdir(self.device_plugin_dir):  # the kubelet's to create, not ours
+            raise FileNotFoundError(errno.ENOENT, "the device-plugin dir does not exist", self.device_plugin_dir)
+        os.makedirs(self.dir, exist_ok=True)
+        # Locked before it gets its name: a file of that name is never seen unlocked while we live.
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(tmp, self.path)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        self._fd = fd
+
+    @property
+    def held(self) -> bool:
+        """Held, and still under its name (a device-plugin dir removed and re-created loses it)."""
+        if self._fd is None:
+            return False
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
+        except OSError:
+            return False
+
+    def release(self) -> None:
+        """At exit, first of all: another instance then sees this one as ending (:func:`alive`) by its
+        sockets alone, and the lock goes with the process anyway."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            os.close(fd)
+            for empty in (self.dir, os.path.dirname(self.dir)):  # the last instance leaves no trace
+                with contextlib.suppress(OSError):
+                    os.rmdir(empty)
+
+
+def live_instances(device_plugin_dir: str, after: str) -> list[str]:
+    """The instances newer than ``after`` that have a lock file (alive or not: ask :func:`alive`)."""
+    try:
+        names = os.listdir(os.path.join(device_plugin_dir, INSTANCES_DIR))
+    except OSError:
+        return []
+    return [n for n in names if len(n) == _INSTANCE_DIGITS and n > after]
+
+
+def alive(device_plugin_dir: str, instance: str) -> bool | None:
+    """True while ``instance`` holds its lock, False once it died or exited (its stale lock file is
+    removed), None when it has no lock file (an instance of a version without them, or one ending:
+    the caller asks its sockets)."""
+    path = os.path.join(device_plugin_dir, INSTANCES_DIR, instance)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        return None
+    finally:
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # the lock was free: its holder is gone
+    return False

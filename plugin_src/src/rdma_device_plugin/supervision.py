@@ -17,12 +17,17 @@ REPEAT_SECONDS = 10.0
 
 @dataclass
 class Backoff:
-    """0.5 s doubling to 5 s; ``due`` says when the next attempt may run."""
+    """``initial`` (0.5 s) doubling to ``maximum`` (5 s); ``due`` says when the next attempt may run."""
 
-    delay: float = BACKOFF_INITIAL_SECONDS
+    initial: float = BACKOFF_INITIAL_SECONDS
+    maximum: float = BACKOFF_MAX_SECONDS
+    delay: float = field(init=False)
     next_at: float = 0.0
     failures: int = 0
     last_cut: float = float("-inf")  # when the kubelet last ended the stream (monotonic)
+
+    def __post_init__(self) -> None:
+        self.delay = self.initial
 
     def due(self, now: float) -> bool:
         return now >= self.next_at
@@ -30,23 +35,23 @@ class Backoff:
     def failed(self, now: float) -> None:
         self.failures += 1
         self.next_at = now + self.delay
-        self.delay = min(self.delay * 2, BACKOFF_MAX_SECONDS)
+        self.delay = min(self.delay * 2, self.maximum)
 
     def cut(self, now: float) -> float:
         """The kubelet ended the stream: the next attempt at once the first time, one step of
         backoff when it happens again within REPEAT_SECONDS. Returns the wait."""
         if now - self.last_cut > REPEAT_SECONDS:
-            self.delay = BACKOFF_INITIAL_SECONDS
+            self.delay = self.initial
             self.next_at = now
         else:
             self.next_at = now + self.delay
-            self.delay = min(self.delay * 2, BACKOFF_MAX_SECONDS)
+            self.delay = min(self.delay * 2, self.maximum)
         self.last_cut = now
         return self.next_at - now
 
     def succeeded(self) -> None:
         """Done: the next attempt (when there is one) may run at once, with a fresh delay."""
-        self.delay, self.next_at, self.failures = BACKOFF_INITIAL_SECONDS, 0.0, 0
+        self.delay, self.next_at, self.failures = self.initial, 0.0, 0
 
 
 @dataclass

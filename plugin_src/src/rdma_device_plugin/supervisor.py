@@ -13,28 +13,31 @@ never answers delays nothing here. Registration is one state machine per resourc
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import functools
 import logging
 import os
-import queue
 import select
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from types import FrameType
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import FrameType, MappingProxyType
 
-from . import cdi, events, netchecks, nfd, numa_pools, sockets
+from rdma_node import sysfs
+
+from . import cdi, events, logs, netchecks, nfd, numa_pools, sockets
 from .config import ConfigError, PluginConfig, load_config, socket_path_problems
 from .discovery import Discovery
-from .kubeletapi import KUBELET_SOCKET
-from .node import sysfs
+from .kubeletapi import CHECKPOINT, KUBELET_SOCKET
+from .published import NodeView, RegistrationView
 from .registration import Registration
 from .resources import build_pools
-from .server import Hooks, LiveStatus, PluginServer, stop_all
+from .server import Hooks, PluginServer, stop_all
 from .supervision import LogOnce, remove_health, write_health
 from .verbs import VerbsProbe, verbs_unusable_reason
 
@@ -48,6 +51,19 @@ FOLLOW_UP_SECONDS = 2.0  # after a link event, probe fast: a driver may update t
 # the loops' max_age (10 s) that `healthcheck` allows, so a live plugin never looks stale.
 HEALTH_WRITE_SECONDS = 3.0
 STOP_GRACE_SECONDS = 0.5  # open streams get this long to end at exit (all servers together)
+KUBELET_MISSING_WARN_SECONDS = 60.0  # kubelet.sock gone this long is more than a kubelet restart
+EXIT_DIR_DELETED = 4  # serve's exit code when the device-plugin dir was deleted under it
+PORT_PROBE = "port probe"  # the two steps of the health probe (failures are counted per step)
+DEVICE_CHECK = "device check"
+
+
+@dataclass
+class ProbeEpisode:
+    """A probe step failing since ``since`` (monotonic), ``failures`` runs in a row."""
+
+    since: float
+    failures: int = 0
+    error: str = ""
 
 
 class Supervisor:
@@ -63,6 +79,7 @@ class Supervisor:
         config_path: str | None = None,
         verbs: VerbsProbe | None = None,
         health_file: str | None = None,
+        lock: sockets.InstanceLock | None = None,
     ) -> None:
         problems = socket_path_problems(config, device_plugin_dir)
         if problems:
@@ -94,13 +111,18 @@ class Supervisor:
         self.stop_event = threading.Event()
         self.once = LogOnce(LOG)
         # Events from the gRPC loop (streams, Register results), run here in order.
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # appended on the gRPC loop, popped here: a deque's append and popleft need no lock
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self.registrations = [
             Registration(pool, device_plugin_dir, self.hooks, self._stream_event, self._register_done, self.once)
             for pool in self.pools
         ]
         self._kubelet_id: tuple[int, int] | None = None
         self.heartbeats: dict[str, float] = {}  # loop step name -> wall time it last completed
+        self.exit_reason: str | None = None  # why the loop ended by itself (serve then exits non-zero)
+        self._kubelet_missing_since: float | None = None
+        self._probe_episodes: dict[str, ProbeEpisode] = {}  # the probe steps failing now
+        self._probe_blocked: str | None = None  # why every resource is Unhealthy (the probe failed too long)
         self._health_written = 0.0
         self._health_said = -1
         # The loop sleeps in poll(): a write to this pipe ends the sleep (stop, gRPC event).
@@ -116,7 +138,10 @@ class Supervisor:
         self._sources: dict[int, events.DirWatch | events.LinkEvents] = {}
         self._coverage_said: tuple[bool, events.LinkCoverage] | None = None
         self._kubelet_sock = os.path.join(device_plugin_dir, KUBELET_SOCKET)
-        self.hooks.supervising(self.live_status)
+        self.lock = lock or sockets.InstanceLock(device_plugin_dir)
+        self._loops: Mapping[str, float] = MappingProxyType({})  # published copy of heartbeats
+        self.view: NodeView | None = None  # published for the status file and metrics (published.py)
+        self.hooks.supervising(lambda: self._loops)
 
     @staticmethod
     def _numa_nodes(config: PluginConfig, sysfs_root: str) -> tuple[int, ...]:
@@ -132,12 +157,43 @@ class Supervisor:
             )
         return nodes
 
-    def live_status(self) -> LiveStatus:
-        return LiveStatus(
-            loops=dict(self.heartbeats),
-            registered=frozenset(r.name for r in self.registrations if r.registered),
-            kubelet_streams=frozenset(r.name for r in self.registrations if r.kubelet_stream_open),
+    def _beat(self, *steps: str) -> None:
+        """A step of the loop completed: its heartbeat, published as a new immutable mapping."""
+        now = time.time()
+        for step in steps:
+            self.heartbeats[step] = now
+        self._loops = MappingProxyType(dict(self.heartbeats))
+
+    def _publish(self) -> None:
+        """Publish a new NodeView when anything in it changed (every part is replaced on change,
+        never changed in place, so comparing them is cheap)."""
+        view = NodeView(
+            pools=tuple(pool.view for pool in self.pools),
+            port_states=self.discovery.states,
+            nics=self.discovery.nics,
+            affinity=self.discovery.affinity,
+            held=self.discovery.held,
+            registrations=tuple(
+                RegistrationView(r.name, r.state.value, r.kubelet_stream_open, r.confirmed_at, r.unregistered_since)
+                for r in self.registrations
+            ),
+            probe_failing=bool(self._probe_episodes),
+            state_changes=self.discovery.state_changes,
         )
+        old = self.view
+        if (
+            old is not None
+            and all(
+                getattr(view, f) is getattr(old, f)
+                for f in ("port_states", "nics", "affinity", "held", "state_changes")
+            )
+            and view.pools == old.pools
+            and view.registrations == old.registrations
+            and (view.probe_failing == old.probe_failing)
+        ):
+            return
+        self.view = view
+        self.hooks.published(view)
 
     # ------------------------------------------------------------------ threads
 
@@ -168,36 +224,39 @@ class Supervisor:
             if slow:
                 next_slow = now + SLOW_SECONDS
                 self._supervised("event sources", self._keep_watching)
-                self._supervised("health probe", self._check_devices)
+                self._supervised("instance lock", self._hold_lock)
+                self._probe_run(DEVICE_CHECK, self._check_devices)
                 self._supervised("config watch", self._watch_config)
                 watch_due = True
             covered = self._links is not None and self.discovery.coverage.complete
             period = relaxed if covered and now >= follow_until else fast
             if soon >= next_probe:
                 next_probe = now + period
-                self._supervised("health probe", self._probe)
-                self.heartbeats["probe"] = time.time()  # a pass completed (a failed step is logged)
+                self._probe_run(PORT_PROBE, self._probe)
             watch_at = self._next_watch()
             if watch_due or soon >= watch_at:
                 watch_due = False
                 self._watched_at = now
                 if self._supervised("socket watch", functools.partial(self._watch_sockets, slow)):
-                    self.heartbeats["watch"] = time.time()
+                    self._beat("watch")
                 self._supervised("health file", self._write_health)
                 watch_at = self._next_watch()
+            self._supervised("publish", self._publish)  # what this pass changed, for the other threads
             # A retry the pass could not act on (its due time passed) must not make this a busy loop.
             other = min(next_slow, max(watch_at, now + WATCH_SECONDS))
             woke = self._wait(min(next_probe, other) - time.monotonic())
             # The idle fast path: while only probes fall due, sleep and re-read the port states with
             # as little Python as possible: in a pod network this runs 10 times a second (issue 15).
             # Anything else (a change, a failed read, a notification) goes back to the full pass.
-            while not woke and next_probe + period < other - COALESCE_SECONDS and self.discovery.unchanged():
+            while not woke and next_probe + period < other - COALESCE_SECONDS and self._unchanged():
                 next_probe = time.monotonic() + period
-                self.heartbeats["probe"] = time.time()
+                self._beat("probe")  # a probe that succeeded: the port states are read
                 woke = self._wait(next_probe - time.monotonic())
             for ready in woke:
-                if ready is self._dir_watch:
+                if isinstance(ready, events.DirWatch) and ready is self._dir_watch:
                     watch_due = True
+                    if not ready.alive:  # the dir itself was removed or moved
+                        self._check_dir()
                 elif ready is self._config_watch:
                     self._supervised("config watch", self._watch_config)
                 elif ready is self._links:
@@ -259,6 +318,70 @@ class Supervisor:
             return self._watched_at + WATCH_SECONDS
         return min((r.next_due(self._kubelet_present) for r in self.registrations), default=float("inf"))
 
+    def _unchanged(self) -> bool:
+        """The idle fast probe; a failing one goes back to the full probe, which counts the failure."""
+        try:
+            return self.discovery.unchanged()
+        except Exception:
+            return False
+
+    def probe_bound(self) -> float:
+        """How long the probe may go without a success: the liveness file's max age for the probe loop,
+        and how long failures last before every resource turns Unhealthy."""
+        health = self.config.health
+        return max(10.0, 5 * max(health.interval_seconds, health.link_events_interval_seconds))
+
+    def _probe_run(self, what: str, step: Callable[[], None]) -> None:
+        """A probe run: ``port probe`` (the port states) or ``device check`` (the device list and its
+        re-list). A failure is a failure: it is counted (metrics), logged once per episode, the probe's
+        heartbeat moves only when the port probe succeeds, and after ``probe_bound`` seconds of
+        failing every resource turns Unhealthy: the plugin cannot vouch for ports it cannot read
+        (and liveness fails, its heartbeat being that old)."""
+        try:
+            step()
+        except Exception as exc:
+            self._probe_failed(what, exc)
+        else:
+            self._probe_succeeded(what)
+
+    def _probe_failed(self, what: str, exc: Exception) -> None:
+        now = time.monotonic()
+        self.hooks.probe_failed()
+        episode = self._probe_episodes.setdefault(what, ProbeEpisode(now))
+        episode.failures += 1
+        episode.error = f"{type(exc).__name__}: {exc}"
+        if episode.failures == 1:
+            LOG.error(
+                "%s failed (%s); retried at every probe; failing for %g s, every resource turns Unhealthy and "
+                "liveness fails",
+                what,
+                episode.error,
+                self.probe_bound(),
+            )
+        LOG.debug("%s failed", what, exc_info=True)
+        if self._probe_blocked is None and now - episode.since >= self.probe_bound():
+            self._probe_blocked = f"the {what} has failed for {now - episode.since:.0f} s ({episode.error})"
+            LOG.error("%s: every resource is Unhealthy until it works again", self._probe_blocked)
+            for pool in self.pools:
+                pool.set_probe_failure(self._probe_blocked)
+
+    def _probe_succeeded(self, what: str) -> None:
+        if what == PORT_PROBE:
+            self._beat("probe")
+        episode = self._probe_episodes.pop(what, None)
+        if episode is None:
+            return
+        LOG.info(
+            "%s works again after %d failed runs in %.1f s",
+            what,
+            episode.failures,
+            time.monotonic() - episode.since,
+        )
+        if self._probe_blocked is not None and not self._probe_episodes:
+            self._probe_blocked = None
+            for pool in self.pools:
+                pool.set_probe_failure(None)
+
     def _probe(self) -> None:
         self.discovery.probe()
         self._say_coverage()  # a failed read re-lists, which may change the coverage
@@ -278,15 +401,38 @@ class Supervisor:
         if now[0] and now[1].complete:
             LOG.info(
                 "port states: re-read at once on link events of %s; polled every %g s besides",
-                ",".join(sorted(now[1].netdevs)),
+                logs.names(sorted(now[1].netdevs)),
                 health.link_events_interval_seconds,
             )
         else:
-            why = "; ".join(now[1].uncovered) if now[0] else "linkEvents off or unavailable"
+            uncovered = now[1].uncovered
+            why = "; ".join(uncovered[:1]) if now[0] else "linkEvents off or unavailable"
+            if now[0] and len(uncovered) > 1:
+                why += f"; and {len(uncovered) - 1} more NICs"
             LOG.info("port states: polled every %g s (%s)", health.interval_seconds, why or "no NIC selected")
+            LOG.debug("port states: no link events for: %s", "; ".join(uncovered))
+
+    def _check_dir(self) -> None:
+        """Exit when the device-plugin dir we see was deleted: a link count of 0 means our view of it is
+        a bind mount (the chart's hostPath) of a directory the host removed. The kubelet creates a new
+        one, which only a new container sees: waiting here would wait for a kubelet.sock that never
+        appears in this one (until liveness gives up, minutes later)."""
+        try:
+            links = os.stat(self.dir).st_nlink
+        except OSError:
+            return  # gone from our view too (no bind mount): it is polled until it comes back
+        if links == 0 and self.exit_reason is None:
+            self.exit_reason = (
+                f"the device-plugin dir {self.dir} was deleted on the host (its directory has no links left); "
+                "exiting so that the container restarts with the new one"
+            )
+            LOG.critical("%s", self.exit_reason)
+            self.stop_event.set()
+            self.wake()
 
     def _keep_watching(self) -> None:
         """Open the notifications that are missing: at start, and after a watched dir went away."""
+        self._check_dir()
         if self._dir_watch is not None and not self._dir_watch.alive:
             self._watching(self._dir_watch, False)
             self._dir_watch = None
@@ -390,7 +536,7 @@ class Supervisor:
         if not findings:
             LOG.info(
                 "non-hostNetwork checks passed: RDMA netns mode shared, IPv6 on every selected NIC's netdev",
-                extra={"netdevs": ",".join(sorted({netchecks.gid_netdev(n) for n in selected.values()}))},
+                extra={"netdevs": logs.names(sorted({netchecks.gid_netdev(n) for n in selected.values()}))},
             )
         for finding in findings:
             LOG.log(
@@ -410,15 +556,11 @@ class Supervisor:
     # ------------------------------------------------------------------ kubelet events
 
     def _kubelet_identity(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self._kubelet_sock)
-            return (st.st_ino, st.st_ctime_ns)
-        except OSError:
-            return None
+        return sockets.file_id(self._kubelet_sock)
 
     def _post(self, event: Callable[[], None]) -> None:
         """From the gRPC loop: run ``event`` on the supervisor's thread at its next pass, which starts now."""
-        self._inbox.put(event)
+        self._inbox.append(event)
         self.wake()
 
     def _stream_event(self, resource: str, server: PluginServer, what: str) -> None:
@@ -436,25 +578,35 @@ class Supervisor:
         kubelet = self._kubelet_identity()
         self._kubelet_present = kubelet is not None  # registration retries wait for it (dir watch)
         if kubelet is None:
-            self.once.problem("kubelet", "kubelet.sock is missing in %s: waiting for the kubelet", self.dir)
+            # A kubelet restart removes it for a moment: INFO; still missing a minute later: WARNING.
+            now = time.monotonic()
+            self._kubelet_missing_since = self._kubelet_missing_since or now
+            late = now - self._kubelet_missing_since >= KUBELET_MISSING_WARN_SECONDS
+            self.once.problem(
+                "kubelet",
+                "kubelet.sock is missing in %s: waiting for the kubelet%s",
+                self.dir,
+                f" (for {KUBELET_MISSING_WARN_SECONDS:.0f} s now)" if late else "",
+                level=logging.WARNING if late else logging.INFO,
+            )
         else:
+            self._kubelet_missing_since = None
             self.once.cleared("kubelet", "kubelet.sock is back")
         if kubelet is not None and kubelet != self._kubelet_id:
             if self._kubelet_id is not None:
                 LOG.info("kubelet.sock re-created: kubelet restarted; registering every resource again")
                 self.hooks.kubelet_restarted()
                 for registration in self.registrations:
-                    registration.kubelet_restarted(kubelet[1])
+                    registration.kubelet_restarted()
             self._kubelet_id = kubelet
-        while True:
-            try:
-                event = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            event()
+        while self._inbox:
+            self._inbox.popleft()()
         now = time.monotonic()  # after the events: a retry they scheduled "now" is due in this pass
         for registration in self.registrations:
             registration.step(now, self._kubelet_present, slow)
+        if self._dir_watch is not None:  # the kubelet's checkpoint matters while a takeover waits for it
+            awaiting = any(r.awaiting_takeover for r in self.registrations)
+            self._dir_watch.names = frozenset([KUBELET_SOCKET, CHECKPOINT] if awaiting else [KUBELET_SOCKET])
 
     def _write_health(self) -> None:
         if not self.health_file:
@@ -464,8 +616,7 @@ class Supervisor:
             return
         # Stamped before writing: a failing write is retried at the same pace, not at every pass.
         self._health_written, self._health_said = time.time(), changes
-        health = self.config.health
-        probe_max = max(10.0, 5 * max(health.interval_seconds, health.link_events_interval_seconds))
+        probe_max = self.probe_bound()
         doc = {
             "pid": os.getpid(),
             "instance": sockets.INSTANCE,
@@ -483,7 +634,24 @@ class Supervisor:
         }
         write_health(self.health_file, doc)
 
+    def _hold_lock(self) -> None:
+        """Hold this instance's lock (sockets.InstanceLock); again after the dir was re-created."""
+        if self.lock.held:
+            return
+        try:
+            self.lock.acquire()
+        except OSError as exc:
+            self.once.problem(
+                "instance lock",
+                "cannot hold the instance lock %s (%s); other instances judge this one by its sockets",
+                self.lock.path,
+                exc,
+            )
+        else:
+            self.once.cleared("instance lock", f"holding the instance lock {self.lock.path}")
+
     def run(self) -> None:
+        self._hold_lock()  # serve() took it already, before anything else
         nics = self.discovery.full()
         overlap = self.discovery.exclusive_overlaps(nics)
         if overlap:
@@ -494,20 +662,24 @@ class Supervisor:
                 extra={
                     "resource": pool.name,
                     "mode": self.config.mode,
-                    "nics": ",".join(str(n["name"]) for n in pool.nic_summary()),
+                    "nics": logs.names([str(n["name"]) for n in pool.nic_summary()]),
                     "devices": len(pool.snapshot()[1]),
                 },
             )
         if not any(pool.nic_summary() for pool in self.pools):
-            LOG.warning("no RDMA NIC matches any resource's selectors", extra={"found": [n.name for n in nics]})
+            LOG.warning(
+                "no RDMA NIC matches any resource's selectors", extra={"found": logs.names([n.name for n in nics])}
+            )
         if self.config.non_host_network.enabled:
             self.check_non_host_network()
-        self.heartbeats["probe"] = self.heartbeats["watch"] = time.time()
+        self._beat("probe", "watch")
+        self._publish()
         try:
             self._loop()
         finally:
+            self.lock.release()  # first: the sockets that go next then say that this instance is ending
             stopped = [r.stop() for r in self.registrations]
-            servers = [server for server, _ in stopped if server is not None]
+            servers = [server for found, _ in stopped for server in found]
             stopping = [f for _, futures in stopped for f in futures]
             for pool in self.pools:
                 pool.close()
@@ -525,6 +697,18 @@ class Supervisor:
 
 
 def serve(args: argparse.Namespace) -> int:
+    # First of all, before the config is even read: an older instance on the node no longer
+    # registers once this lock exists (registration.py). Failing, the supervisor says so and retries.
+    lock = sockets.InstanceLock(args.device_plugin_dir)
+    with contextlib.suppress(OSError):
+        lock.acquire()
+    try:
+        return _serve(args, lock)
+    finally:
+        lock.release()
+
+
+def _serve(args: argparse.Namespace, lock: sockets.InstanceLock) -> int:
     config = load_config(args.config)
     hooks: Hooks | None = None
     metrics_address = args.metrics_address
@@ -558,6 +742,7 @@ def serve(args: argparse.Namespace) -> int:
         config_path=args.config,
         verbs=verbs,
         health_file=args.health_file or None,
+        lock=lock,
     )
 
     if args.nfd_features_file:
@@ -594,4 +779,4 @@ def serve(args: argparse.Namespace) -> int:
         stop = getattr(hooks, "stop", None)
         if stop is not None:
             stop()
-    return 0
+    return EXIT_DIR_DELETED if supervisor.exit_reason else 0

@@ -24,8 +24,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .node import verbs as node_verbs
-from .node.verbs import load_pyverbs_device
+from rdma_node import verbs as node_verbs
+from rdma_node.verbs import load_pyverbs_device
 
 __all__ = ["VerbsProbe", "load_pyverbs_device", "verbs_unusable_reason"]
 

@@ -66,20 +66,21 @@ from typing import Any, Literal
 
 import grpc
 
-from ..api import deviceplugin_pb2 as pb
-from ..api import deviceplugin_pb2_grpc as pb_grpc
-from ..kubeletapi import (
+from rdma_device_plugin.api import deviceplugin_pb2 as pb
+from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
+from rdma_device_plugin.kubeletapi import (
     API_VERSION,
+    CHECKPOINT,
     HEALTHY,
     KUBELET_SOCKET,
     MAX_MESSAGE_BYTES,
     PRE_START_CONTAINER_TIMEOUT_SECONDS,
     UNHEALTHY,
 )
+
 from . import topology
 
 LOG = logging.getLogger(__name__)
-CHECKPOINT = "kubelet_internal_checkpoint"
 DIAL_TIMEOUT_SECONDS = 10.0  # client.go dial
 STOP_GRACE_SECONDS = 300.0  # endpoint.go endpointStopGracePeriod
 NODE_WITHOUT_TOPOLOGY = -1  # manager.go nodeWithoutTopology: the NUMA key of devices without one
@@ -242,6 +243,10 @@ class KubeletSimulator:
         # Delay between a stream's end and runClient's teardown: widens the real race in which a
         # plugin re-registers before the kubelet tears down the old client (kubernetes 121994).
         self.stale_teardown_delay = stale_teardown_delay
+        # Called in the Register handler with ("received", endpoint) before the client is recorded
+        # and ("connected", endpoint) after PluginConnected: a test blocks there to choose the order
+        # in which two registrations reach the device manager (as a plugin slow to connect does).
+        self.on_register: Callable[[str, str], None] | None = None
         self.topology_policy = topology_policy
         self.node_status_sync_seconds = node_status_sync_seconds
         self._rng = random.Random(seed)  # Go's map order, reproducibly
@@ -424,6 +429,8 @@ class KubeletSimulator:
                 context, f"endpoint {request.endpoint}", "endpoint must be a file name in the device-plugin dir"
             )
         path = os.path.join(self.dir, request.endpoint)
+        if self.on_register is not None:
+            self.on_register("received", request.endpoint)
         if self.reregistration == "fixed" and self._get_client(request.resource_name, path) is not None:
             self._refuse(
                 context,
@@ -461,6 +468,8 @@ class KubeletSimulator:
             # PluginConnected replaces the endpoint; the old client is NOT closed.
             self.endpoints[request.resource_name] = Endpoint(request.resource_name, request.endpoint, options, client)
             self._cond.notify_all()
+        if self.on_register is not None:
+            self.on_register("connected", request.endpoint)
         threading.Thread(
             target=self._run_client, args=(client,), name=f"law-{request.resource_name}", daemon=True
         ).start()

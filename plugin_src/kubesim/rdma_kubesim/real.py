@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..kubeletapi import HEALTHY, KUBELET_SOCKET, UNHEALTHY
+from rdma_device_plugin.kubeletapi import HEALTHY, KUBELET_SOCKET, UNHEALTHY
+
 from .kubelet import format_quantity
 
 # The kubelet's own managers, built by scripts/kube-build.sh (`make kube`) from the modules this
@@ -39,8 +40,8 @@ BINARIES = {
     "1.32": ("RDMA_REAL_KUBELET_1_32", "--print-legacy-bin", "kubelet-dm-serve"),
 }
 ENV_BINARY, _, BINARY_NAME = BINARIES["1.37"]
-# this file is <repo>/plugin_src/src/rdma_device_plugin/kubesim/real.py
-_BUILD_SCRIPT = Path(__file__).resolve().parents[4] / "scripts" / "kube-build.sh"
+# this file is <repo>/plugin_src/kubesim/rdma_kubesim/real.py
+_BUILD_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "kube-build.sh"
 
 
 def find_binary(version: str = "1.37") -> tuple[str | None, str]:

@@ -10,8 +10,8 @@ simulator holds it. ``allocate`` and ``status`` are clients of the control socke
 admits one container asking for ``--count`` devices, the way the
 kubelet's device manager does, and prints what the container receives.
 
-    python -m rdma_device_plugin.sim_cli --dir DIR --status-file FILE
-    python -m rdma_device_plugin.sim_cli allocate --control-socket DIR/kubelet-sim.ctl --resource rdma/hca
+    python -m rdma_kubesim.sim_cli --dir DIR --status-file FILE
+    python -m rdma_kubesim.sim_cli allocate --control-socket DIR/kubelet-sim.ctl --resource rdma/hca
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def _run_main(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m rdma_device_plugin.kubesim.sim_cli", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m rdma_kubesim.sim_cli", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     run_p = sub.add_parser("run", help="run the simulator (default)")
     run_p.add_argument("--dir", required=True, help="device-plugin dir (kubelet.sock is created here)")

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import uuid
 
-from ..node import fixtures, sysfs
+from rdma_node import fixtures, sysfs
 
 
 def available() -> str | None:

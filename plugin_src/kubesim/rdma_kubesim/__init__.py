@@ -1,4 +1,5 @@
-"""Kubelets for tests, benchmarks and the local default; never imported by ``serve``.
+"""Kubelets for tests, benchmarks and the local default: a development package of its own
+(plugin_src/kubesim), never in the image and never imported by ``serve``.
 
 - :class:`KubeletSimulator` (kubelet.py): the device manager re-written in Python, at least as strict
   as kubelets 1.28-1.34, with the fixed behaviour of kubernetes PR 135437 as an option.
@@ -10,6 +11,8 @@ Both offer the methods the tests use on either: ``start``, ``stop``, ``restart``
 ``record_start``/``record_stop``.
 """
 
-from .kubelet import CHECKPOINT, Allocation, AllocationFailed, Endpoint, KubeletSimulator
+from rdma_device_plugin.kubeletapi import CHECKPOINT
+
+from .kubelet import Allocation, AllocationFailed, Endpoint, KubeletSimulator
 
 __all__ = ["CHECKPOINT", "Allocation", "AllocationFailed", "Endpoint", "KubeletSimulator"]
