@@ -117,7 +117,7 @@ def device_names(nics: Sequence[str], reserved: Sequence[str] = ()) -> dict[str,
     ``MLX5-0``) or makes no label (a non-UTF-8 ``\\xNN`` name) gets a hash of the kernel name."""
     taken = set(reserved)
     out: dict[str, str] = {}
-    for name in sorted(nics):
+    for name in sorted(nics, key=lambda n: (n != n.lower(), n)):  # kernel names are lowercase: they win
         label = dns_label(name)
         if not label or label in taken or label + EXCLUSIVE_SUFFIX in taken or label.endswith(EXCLUSIVE_SUFFIX):
             digest = hashlib.sha256(name.encode("utf-8", "backslashreplace")).hexdigest()[:8]
