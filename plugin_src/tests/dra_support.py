@@ -31,6 +31,7 @@ import kube_cluster  # noqa: E402
 
 DRIVER = "rdma.lingjun.io"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+DEVICE_CLASS_API = "resource.k8s.io/v1/DeviceClass"
 T = TypeVar("T")
 
 
@@ -59,11 +60,14 @@ def wait_for(what: str, check: Callable[[], T | None], timeout: float = 120.0, e
 
 
 def chart_objects(values: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chart rendered by Helm's own engine (helm_python), as `helm template` would."""
+    """The chart rendered by Helm's own engine (helm_python) as `helm install` into this v1.37 cluster
+    does (its discovery: resource.k8s.io/v1 with DeviceClass)."""
     import helm_python
+    from helm_python import _native
 
     chart = helm_python.Chart.load(str(CHART))
-    rendered = chart.render(name="rdma", namespace="kube-system", values=values)
+    opts = {"name": "rdma", "namespace": "kube-system", "kube_version": "v1.37.2", "api_versions": [DEVICE_CLASS_API]}
+    rendered = json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(opts)))
     return [doc for path, text in rendered.items() if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc]
 
 
