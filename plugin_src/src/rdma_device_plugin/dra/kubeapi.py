@@ -15,6 +15,7 @@ import contextlib
 import http.client
 import json
 import os
+import socket
 import ssl
 import tempfile
 import threading
@@ -141,6 +142,8 @@ class Client:
             ctx.load_cert_chain(creds.cert_file, creds.key_file or None)
         self.ssl = ctx
         self._local = threading.local()
+        self._watches: set[http.client.HTTPSConnection] = set()
+        self._watches_lock = threading.Lock()
 
     def _connection(self, timeout: float | None) -> http.client.HTTPSConnection:
         return http.client.HTTPSConnection(self.host, self.port, context=self.ssl, timeout=timeout)
@@ -197,6 +200,8 @@ class Client:
         """Watch events (``{"type", "object"}``) until the server ends the watch or ``stop`` is set."""
         q = {**query, "watch": "1", "allowWatchBookmarks": "true"}
         conn = self._connection(timeout=None)
+        with self._watches_lock:
+            self._watches.add(conn)
         try:
             conn.request("GET", self.prefix + path + "?" + urllib.parse.urlencode(q), headers=self._headers(False))
             resp = conn.getresponse()
@@ -209,7 +214,19 @@ class Client:
                 if line.strip():
                     yield json.loads(line)
         finally:
+            with self._watches_lock:
+                self._watches.discard(conn)
             conn.close()
+
+    def close_watches(self) -> None:
+        """End every open watch at once (its read fails; the watcher sees ``stop`` set and returns)."""
+        with self._watches_lock:
+            conns = list(self._watches)
+        for conn in conns:
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)

@@ -92,6 +92,7 @@ class Publisher:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self.client.close_watches()  # a watch blocks in a read until the server sends something
         for t in self._threads:
             t.join(timeout=5)
 
