@@ -7,7 +7,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo stop status prometheus-local test lint test-plugin test-chart test-ops test-molecule collection image bench bench-fleet proto clean kube cluster-up cluster-down dra-demo
+.PHONY: help setup system-deps demo stop status prometheus-local test lint test-plugin test-plugin-loaded test-chart test-ops test-molecule collection image bench bench-fleet proto clean kube cluster-up cluster-down dra-demo
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -76,22 +76,26 @@ lint: setup ## ruff, mypy, yamllint, ansible-lint, generated-code drift
 	bash scripts/check-proto.sh
 	if [ -d roles ] && ls roles/*/tasks >/dev/null 2>&1; then $(BIN)/ansible-lint; fi
 
-test-plugin: setup ## plugin unit and integration tests (real gRPC over unix sockets)
+test-plugin: setup kube ## plugin unit and integration tests (real gRPC over unix sockets)
 	$(PY) -m pytest plugin_src/tests --junitxml=out/test-results/plugin.xml
 
-test-chart: setup system-deps ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL, promtool and a real Prometheus)
+test-plugin-loaded: setup system-deps kube ## the plugin tests with stress-ng --cpu 2 beside them (they must not flake on a loaded machine)
+	stress-ng --cpu 2 --timeout 3600 --quiet & pid=$$!; \
+	  $(PY) -m pytest plugin_src/tests --junitxml=out/test-results/plugin-loaded.xml; rc=$$?; kill $$pid; wait $$pid 2>/dev/null; exit $$rc
+
+test-chart: setup system-deps kube ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL, promtool and a real Prometheus)
 	$(PY) -m pytest charts/rdma-device-plugin/tests --junitxml=out/test-results/chart.xml
 
-test-ops: setup ## automation and docs: example inventory offline check, typed variables, uninstall, runnable doc blocks
+test-ops: setup kube ## automation and docs: example inventory offline check, typed variables, uninstall, runnable doc blocks
 	$(PY) -m pytest tests --junitxml=out/test-results/ops.xml
 
-test-molecule: setup system-deps ## every molecule scenario, for real on localhost
+test-molecule: setup system-deps kube ## every molecule scenario, for real on localhost
 	bash scripts/run-molecule.sh
 
 collection: setup ## a plain `ansible-galaxy collection build` of this repository, installed, and a playbook outside it running validate, deploy (render only) and verify by FQCN
 	bash scripts/build-collection.sh --check
 
-test: setup system-deps ## everything CI runs; ends with one "N passed, N failed" line
+test: setup system-deps kube ## everything CI runs; ends with one "N passed, N failed" line
 	rm -rf out/test-results
 	$(MAKE) --no-print-directory lint test-plugin test-chart test-ops test-molecule collection
 	$(PY) scripts/test-summary.py out/test-results

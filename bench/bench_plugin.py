@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,7 +68,9 @@ def lingjun_spec(nics: int) -> fixtures.NodeSpec:
 class Rig:
     """A fixture node, the kubelet simulator and one real ``serve`` process."""
 
-    def __init__(self, spec: fixtures.NodeSpec, config: dict[str, Any], host_network: bool = False) -> None:
+    def __init__(
+        self, spec: fixtures.NodeSpec, config: dict[str, Any], host_network: bool = False, extra: Sequence[str] = ()
+    ) -> None:
         self.tmp = tempfile.mkdtemp(prefix="rdpb-", dir="/tmp")
         self.fx = fixtures.write_node(os.path.join(self.tmp, "node"), spec)
         # hostNetwork stand-in: the plugin runs in a netns holding the node's netdevs (link events)
@@ -85,7 +88,7 @@ class Rig:
         cmd += ["--sysfs-root", self.fx.sysfs, "--dev-root", self.fx.dev, "--device-plugin-dir", self.dp]
         # The liveness file in a directory of its own, as the chart's /dev/shm.
         os.mkdir(os.path.join(self.tmp, "run"))
-        cmd += ["--health-file", os.path.join(self.tmp, "run", "health.json")]
+        cmd += ["--health-file", os.path.join(self.tmp, "run", "health.json"), *extra]
         if self.ns is not None:
             cmd = self.ns.exec_prefix + cmd  # `ip netns exec` execs: the pid stays the plugin's
         self.t_spawn = time.monotonic()
@@ -519,6 +522,52 @@ def bench_memory(out: list[str], samples: Samples, quick: bool) -> None:
     ]
 
 
+# --------------------------------------------------------------------------- metrics
+
+
+def bench_metrics(out: list[str], samples: Samples, quick: bool) -> None:
+    """Metrics on (the chart's metrics.enabled): CPU and RSS when nobody scrapes (the port counters are
+    read at scrape time only, so this must match the plain idle figure) and when scraped every second,
+    with the time one scrape takes (8 NICs: every counter file of every port read)."""
+    window = 10.0 if quick else 60.0
+    out += [
+        f"### Metrics on: idle and scraped (8 NICs, default config, {window:.0f} s windows)",
+        "",
+        "| setup | CPU % of one core | VmRSS start / end (MiB) | scrape p50 / max (ms) |",
+        "|---|---|---|---|",
+    ]
+    port = _free_port()
+    with Rig(lingjun_spec(8), {}, extra=["--metrics-address", f"127.0.0.1:{port}"]) as rig:
+        time.sleep(3.0)
+        for label, every in (("metrics on, nobody scrapes", 0.0), ("metrics on, scraped every 1 s", 1.0)):
+            cpu0, rss0, took = cpu_seconds(rig.pid), rss_kib(rig.pid), []
+            deadline = time.monotonic() + window
+            while time.monotonic() < deadline:
+                if every:
+                    t0 = time.perf_counter()
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+                        body = resp.read()
+                    took.append(time.perf_counter() - t0)
+                time.sleep(every or 1.0)
+            cpu = 100 * (cpu_seconds(rig.pid) - cpu0) / window
+            scraped = f"{1000 * statistics.median(took):.1f} / {1000 * max(took):.1f}" if took else "-"
+            out.append(f"| {label} | {cpu:.3f} | {rss0 / 1024:.1f} / {rss_kib(rig.pid) / 1024:.1f} | {scraped} |")
+            samples.setdefault("scrape", {})[label] = took
+        counters = body.decode().count("rdma_dp_port_receive_bytes_total{")
+    out += [
+        "",
+        f"One scrape carries the port counters of {counters} ports. Compare the idle row with the idle-cost "
+        "table (metrics off): the collector reads nothing between scrapes.",
+        "",
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 # --------------------------------------------------------------------------- Allocate with open streams
 
 
@@ -695,6 +744,7 @@ SECTIONS = (  # (--only name, title, function)
     ("snapshots", "snapshots", bench_snapshots),
     ("idle", "idle cost", bench_idle),
     ("memory", "memory", bench_memory),
+    ("metrics", "metrics on: idle and scraped", bench_metrics),
     ("open-streams", "Allocate with open streams", bench_open_streams),
     ("recovery", "recovery", bench_recovery),
     ("shutdown", "shutdown with a hung kubelet", bench_shutdown),

@@ -179,9 +179,9 @@ def _alive(pid: int, exe: str) -> bool:
     return Path(cmd).name == Path(exe).name
 
 
-def _stop(procs: dict[str, dict[str, object]], timeout: float = 15.0) -> list[str]:
+def _stop(procs: dict[str, dict[str, object]], timeout: float = 15.0, order: list[str] | None = None) -> list[str]:
     """SIGTERM in reverse start order, SIGKILL after timeout; the names of those still alive."""
-    order = [n for n in reversed(COMPONENTS) if n in procs]
+    order = order if order is not None else [n for n in reversed(COMPONENTS) if n in procs]
     for n in order:
         pid, exe = int(procs[n]["pid"]), str(procs[n]["exe"])  # type: ignore[call-overload]
         if _alive(pid, exe):
@@ -215,6 +215,9 @@ class Cluster:
     bin: Path | None = None
     feature_gates: dict[str, bool] = field(default_factory=dict)
     ready_timeout: float = 180.0
+    # kube-controller-manager's --controllers (e.g. "*,-daemonset,-nodelifecycle" for a cluster whose
+    # nodes have no kubelet and whose statuses a bench writes itself)
+    controllers: str = "*"
 
     @property
     def kubeconfig(self) -> Path:
@@ -306,7 +309,7 @@ class Cluster:
                 f"--cluster-signing-cert-file={pki / 'ca.crt'}",
                 f"--cluster-signing-key-file={pki / 'ca.key'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--controllers=*",
+                f"--controllers={self.controllers}",
                 "--v=1",
             ],
             "kube-scheduler": [
@@ -366,9 +369,15 @@ class Cluster:
                 time.sleep(0.1)
         raise ClusterError(f"{what} did not listen on 127.0.0.1:{port} within {self.ready_timeout:.0f} s")
 
-    def _wait_ready(self, server: str, pki: Path, p: subprocess.Popen[bytes]) -> None:
+    def ssl_context(self) -> ssl.SSLContext:
+        """TLS as the admin of this cluster (its CA, the admin client certificate)."""
+        pki = self.dir / "pki"
         ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
         ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+        return ctx
+
+    def _wait_ready(self, server: str, pki: Path, p: subprocess.Popen[bytes]) -> None:
+        ctx = self.ssl_context()
         deadline = time.monotonic() + self.ready_timeout
         last = ""
         while time.monotonic() < deadline:
@@ -411,11 +420,51 @@ class Cluster:
 
     # ------------------------------------------------------------ down
 
+    def join(self, name: str, root: Path, *, index: int, **kw: object) -> dict[str, object]:
+        """Start a node in the background (kubelet-managers -start -detach) recorded in state.json."""
+        bin_dir = Path(str(self.state().get("bin", ""))) if self.state().get("bin") else kube_bin()
+        root.mkdir(parents=True, exist_ok=True)
+        start = root / "start.json"
+        start.write_text(json.dumps(node_start_request(self, name, root, index=index, **kw)))  # type: ignore[arg-type]
+        exe = str(bin_dir / "kubelet-managers")
+        out = root / "kubelet.out"
+        with out.open("wb") as log:
+            p = subprocess.Popen(
+                [exe, "-klog", str(root / "kubelet.log"), "-start", str(start), "-detach"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        state = self.state()
+        nodes = dict(state.get("nodes", {}))  # type: ignore[call-overload]
+        nodes[name] = {"pid": p.pid, "exe": exe, "log": str(root / "kubelet.log"), "root": str(root)}
+        state["nodes"] = nodes
+        self.state_file.write_text(json.dumps(state, indent=2))
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            first = out.read_text(errors="replace").split("\n", 1)[0]
+            if first.startswith("{"):
+                reply = dict(json.loads(first))
+                if not reply.get("ok"):
+                    raise ClusterError(f"node {name} did not start: {reply.get('error')} (see {root / 'kubelet.log'})")
+                return reply
+            if p.poll() is not None:
+                raise ClusterError(
+                    f"node {name}: kubelet-managers exited (rc {p.returncode}): {out.read_text()[-2000:]}"
+                )
+            time.sleep(0.1)
+        raise ClusterError(f"node {name} did not answer its start within {self.ready_timeout:.0f} s")
+
     def down(self) -> list[str]:
-        """Stop every process recorded in state.json; the names of those that would not stop."""
-        procs = self.state().get("processes", {})
+        """Stop every process recorded in state.json (nodes first); the names of those that would not stop."""
+        state = self.state()
+        nodes = state.get("nodes", {})
+        assert isinstance(nodes, dict)
+        left = [f"node {n}" for n in _stop(nodes, order=list(nodes))]
+        procs = state.get("processes", {})
         assert isinstance(procs, dict)
-        left = _stop(procs)
+        left += _stop(procs)
         if not left:
             with contextlib.suppress(FileNotFoundError):
                 self.state_file.unlink()
@@ -427,6 +476,48 @@ class Cluster:
 
 class NodeError(RuntimeError):
     """kubelet-managers refused a request or exited."""
+
+
+def node_start_request(
+    cluster: Cluster,
+    name: str,
+    root: Path,
+    *,
+    index: int = 1,
+    labels: dict[str, str] | None = None,
+    images: dict[str, dict[str, list[str]]] | None = None,
+    capacity: dict[str, str] | None = None,
+    numa_nodes: int = 2,
+    policy: str = "none",
+    status_interval_ms: int = 1000,
+) -> dict[str, object]:
+    """The kubelet-managers start request of a node whose file system is ``root`` (see :class:`Node`)."""
+    state = root / "var/lib/kubelet/managers"
+    return {
+        "op": "start",
+        "dir": str(root / "var/lib/kubelet/device-plugins"),
+        "numa_nodes": numa_nodes,
+        "policy": policy,
+        "join": {
+            "kubeconfig": str(cluster.kubeconfig),
+            "node": name,
+            "labels": labels or {},
+            "node_ip": f"127.0.{index}.1",
+            "capacity": capacity or {},
+            "status_interval_ms": status_interval_ms,
+            "plugins_registry": str(root / "var/lib/kubelet/plugins_registry"),
+            "state_dir": str(state),
+            "host_root": str(root),
+            "images": images or {},
+            "record_dir": str(state / "pods"),
+        },
+    }
+
+
+def plugin_images() -> dict[str, dict[str, list[str]]]:
+    """The plugin's image runs as this checkout's plugin (its venv) on a joined node."""
+    venv = ROOT / ".venv" / "bin"
+    return {"rdma-device-plugin": {"entrypoint": [str(venv / "rdma-device-plugin")], "path": [str(venv)]}}
 
 
 class Node:
@@ -456,31 +547,26 @@ class Node:
         bin_dir: Path | None = None,
     ) -> None:
         self.cluster, self.name, self.root = cluster, name, root
-        self.node_ip = f"127.0.{index}.1"
-        self.dp_dir = root / "var/lib/kubelet/device-plugins"
-        self.registry = root / "var/lib/kubelet/plugins_registry"
-        self.state_dir = root / "var/lib/kubelet/managers"
-        self.record_dir = self.state_dir / "pods"
+        self._start = node_start_request(
+            cluster,
+            name,
+            root,
+            index=index,
+            labels=labels,
+            images=images,
+            capacity=capacity,
+            numa_nodes=numa_nodes,
+            policy=policy,
+            status_interval_ms=status_interval_ms,
+        )
+        join = self._start["join"]
+        assert isinstance(join, dict)
+        self.node_ip = str(join["node_ip"])
+        self.dp_dir = Path(str(self._start["dir"]))
+        self.registry = Path(str(join["plugins_registry"]))
+        self.state_dir = Path(str(join["state_dir"]))
+        self.record_dir = Path(str(join["record_dir"]))
         self.klog = root / "kubelet.log"
-        self._start = {
-            "op": "start",
-            "dir": str(self.dp_dir),
-            "numa_nodes": numa_nodes,
-            "policy": policy,
-            "join": {
-                "kubeconfig": str(cluster.kubeconfig),
-                "node": name,
-                "labels": labels or {},
-                "node_ip": self.node_ip,
-                "capacity": capacity or {},
-                "status_interval_ms": status_interval_ms,
-                "plugins_registry": str(self.registry),
-                "state_dir": str(self.state_dir),
-                "host_root": str(root),
-                "images": images or {},
-                "record_dir": str(self.record_dir),
-            },
-        }
         exe = (bin_dir or Path(str(cluster.state().get("bin", ""))) or kube_bin()) / "kubelet-managers"
         root.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
@@ -539,7 +625,13 @@ class Node:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["up", "down", "status"])
+    ap.add_argument("command", choices=["up", "down", "status", "join"])
+    ap.add_argument("node", nargs="?", help="join: the node's name")
+    ap.add_argument("--root", help="join: the node's file system (default DIR/nodes/NAME)")
+    ap.add_argument("--index", type=int, default=1, help="join: the node's number (its IP is 127.0.INDEX.1)")
+    ap.add_argument("--label", action="append", default=[], help="join: a node label KEY=VALUE (repeatable)")
+    ap.add_argument("--fixture", action="store_true", help="join: write a fixture Lingjun node at ROOT first")
+    ap.add_argument("--plugin", action="store_true", help="join: run the plugin's image as this checkout's plugin")
     ap.add_argument(
         "--dir", default=str(ROOT / "out" / "cluster"), help="state, certificates, logs (default out/cluster)"
     )
@@ -558,6 +650,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {b}/kubectl version   # kubectl and helm are in {b}/")
             print(f"  logs: {os.path.relpath(c.dir)}/logs/   stop: make cluster-down")
             return 0
+        if args.command == "join":
+            if not args.node:
+                ap.error("join needs the node's name")
+            root = Path(args.root or c.dir / "nodes" / args.node).resolve()
+            if args.fixture and not (root / "sys").exists():
+                fixture = [str(ROOT / ".venv" / "bin" / "rdma-device-plugin"), "fixture", str(root)]
+                subprocess.run(fixture, check=True, capture_output=True)
+            labels = dict(kv.split("=", 1) for kv in args.label)
+            c.join(args.node, root, index=args.index, labels=labels, images=plugin_images() if args.plugin else None)
+            print(f"node {args.node} joined ({root}); it stops with make cluster-down")
+            return 0
         if args.command == "down":
             if not c.state_file.exists():
                 print(f"no cluster recorded in {c.dir}: nothing to stop")
@@ -574,6 +677,8 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         for n, alive in run.items():
             print(f"{n}: {'running' if alive else 'not running'}")
+        for n, p in dict(c.state().get("nodes", {})).items():  # type: ignore[call-overload]
+            print(f"node {n}: {'running' if _alive(int(p['pid']), str(p['exe'])) else 'not running'}")
         print(f"server: {c.server()}  kubeconfig: {c.kubeconfig}")
         return 0 if all(run.values()) else 3
     except ClusterError as e:

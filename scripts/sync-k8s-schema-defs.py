@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Copy the Kubernetes definitions the chart's values use (SecurityContext, Toleration, Affinity,
-Volume, VolumeMount) into charts/rdma-device-plugin/values.schema.json under "$defs", verbatim from
+Volume, VolumeMount, ResourceRequirements) into charts/rdma-device-plugin/values.schema.json under "$defs", verbatim from
 the strict schemas bundled with kubernetes-validate (one source: the Kubernetes OpenAPI), with every
 definition they reference and refs made local. Strict = unknown keys are rejected, as
-`kubectl --validate=strict` would.
+`kubectl --validate=strict` would. One definition is tightened: Quantity (QUANTITY_DEF below).
 
     .venv/bin/python scripts/sync-k8s-schema-defs.py           rewrite "$defs"
     .venv/bin/python scripts/sync-k8s-schema-defs.py --check   exit 1 when they drift (chart test)
@@ -19,7 +19,21 @@ from typing import Any
 import kubernetes_validate.utils as kvu
 
 SCHEMA = Path(__file__).resolve().parents[1] / "charts" / "rdma-device-plugin" / "values.schema.json"
-ROOTS = ("Affinity", "SecurityContext", "Toleration", "Volume", "VolumeMount")
+ROOTS = ("Affinity", "ResourceRequirements", "SecurityContext", "Toleration", "Volume", "VolumeMount")
+QUANTITY = "io.k8s.apimachinery.pkg.api.resource.Quantity"
+# The OpenAPI says only "string or number" for a Quantity; the API server parses it by the grammar of
+# k8s.io/apimachinery/pkg/api/resource/quantity.go (<signedNumber><suffix>, suffix one of Ki Mi Gi Ti
+# Pi Ei, m "" k M G T P E, or e/E<signedNumber>), so "128MB" or "1 Gi" pass the schema and fail the
+# install. The chart checks that grammar (unsigned: a negative request or limit is invalid too).
+QUANTITY_DEF = {
+    "oneOf": [
+        {
+            "type": "string",
+            "pattern": r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+        },
+        {"type": "number", "minimum": 0},
+    ]
+}
 PREFIX = "io.k8s.api.core.v1."
 REMOTE = "#/$defs/"  # refs inside _definitions.json are already local
 
@@ -67,6 +81,7 @@ def build() -> dict[str, Any]:
         wanted: set[str] = set()
         done[name] = _localize(source[name], wanted)
         todo.extend(sorted(wanted - set(done)))
+    done[QUANTITY] = QUANTITY_DEF
     return dict(sorted(done.items()))
 
 

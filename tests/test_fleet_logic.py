@@ -124,6 +124,22 @@ def test_drift_names_the_odd_nodes_out_with_value_fleet_value_and_fix() -> None:
         fleet.drift(nodes, "off")
 
 
+def test_a_node_whose_ports_all_trained_low_drifts_on_port_rate() -> None:
+    """Issue 32: the node's own rate check compares its ports with each other; a node whose ports all run at
+    2X NDR passes it, and the fleet's most common rate is the reference."""
+    nodes = {f"n{i}": _node() for i in range(3)}
+    for entry in nodes.values():
+        entry["summary"]["port_rates"] = ["400 Gb/sec (4X NDR)"]
+    nodes["low"] = _node()
+    nodes["low"]["summary"]["port_rates"] = ["200 Gb/sec (2X NDR)"]
+    found = fleet.drift(nodes, "warn")
+    assert sorted(found) == ["low"] and [r["name"] for r in found["low"]] == ["drift_port_rate"]
+    assert found["low"][0]["message"].startswith(
+        "port rate 200 Gb/sec (2X NDR) differs across the fleet: the fleet's most common is 400 Gb/sec (4X NDR) "
+        "(3 of 4 nodes). Fix: check the cables/transceivers"
+    )
+
+
 def test_drift_on_a_tie_names_every_node_and_one_node_never_drifts() -> None:
     tie = fleet.drift({"a": _node(kernel="5.15"), "b": _node(kernel="6.8")}, "fail")
     message = tie["a"][0]["message"]
@@ -151,3 +167,33 @@ def test_report_drift_rows_are_judged_again_at_every_run() -> None:
     assert second.pop("drift") == {} and second["failed"] == [] and second["passed"] == 3
     warned = report.build({}, hosts, {"a": fact("1"), "b": fact("1"), "c": fact("2")}, {}, "2026-12-01")
     assert warned["nodes"]["c"]["passed"] and "(warning)" in report.markdown(warned)
+
+
+class _HostVars:
+    """A stand-in for ansible-core's HostVars: raw values, and a count of the templated reads."""
+
+    def __init__(self, raw: dict[str, dict[str, object]]) -> None:
+        self._raw, self.templated = raw, 0
+
+    def raw_get(self, host: str) -> dict[str, object]:
+        return self._raw[host]
+
+    def __getitem__(self, host: str) -> dict[str, object]:
+        self.templated += 1
+        return {k: str(v).replace("{{ inventory_hostname }}", host) for k, v in self._raw[host].items()}
+
+
+def test_the_default_node_name_is_the_host_without_templating() -> None:
+    """Issue 32 (once-per-run work): rdma_node_facts' default rdma_k8s_node_name is the host's name; the report
+    and the labels ask it of every host, and templating it merged the host's variables a second time."""
+    from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import Hosts
+
+    hostvars = _HostVars({
+        "a": {"rdma_k8s_node_name": "{{ inventory_hostname }}"},
+        "b": {"rdma_k8s_node_name": "{{inventory_hostname}}"},
+        "c": {"rdma_k8s_node_name": "{{ inventory_hostname }}.example"},
+        "d": {},
+    })  # fmt: skip
+    hosts = Hosts({"hostvars": hostvars})
+    assert [hosts.node_name(h) for h in "abcd"] == ["a", "b", "c.example", "d"]
+    assert hostvars.templated == 1  # only the template that is more than the host's name

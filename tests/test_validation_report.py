@@ -89,3 +89,16 @@ def test_report_refuses_results_and_fact_together(tmp_path: Path) -> None:
     run = run_playbook("-i", "localhost,", "-c", "local", str(tmp_path / "play.yml"))
     assert run.returncode != 0
     assert "give either results or fact" in run.stdout + run.stderr, run.stdout
+
+
+def test_the_json_report_has_one_node_per_line() -> None:
+    """Written by json's C encoder piece by piece (issue 32: once-per-run work at 2000 hosts), still JSON."""
+    from ansible_collections.lingjun.rdma.plugins.modules import (
+        rdma_validation_report as module,
+    )  # conftest: on sys.path
+
+    report = {"total": 2, "nodes": {"b": {"passed": True, "x": [1]}, "a": {"passed": False}}, "failed": ["a"]}
+    text = module.dump(report)
+    assert json.loads(text) == report
+    assert '\n"a": {"passed": false},\n"b": {"passed": true, "x": [1]}\n' in text
+    assert json.loads(module.dump({"nodes": {}, "total": 0})) == {"nodes": {}, "total": 0}

@@ -28,7 +28,7 @@ from rdma_device_plugin.kubesim import KubeletSimulator
 from rdma_device_plugin.kubesim.real import RealKubelet, find_binary
 from rdma_device_plugin.node import fixtures
 
-BACKENDS = ("sim", "real")  # the kubelet simulator, the kubelet's own device manager (kubelet-dm-serve)
+BACKENDS = ("sim", "real")  # the kubelet simulator, the kubelet's own device manager (v1.37, make kube)
 
 
 @pytest.fixture
@@ -58,19 +58,37 @@ def sim(dp_dir: Path) -> Iterator[KubeletSimulator]:
     s.stop()
 
 
-def real_kubelet_binary() -> str:
-    """kubelet-dm-serve, or skip the test saying where it was looked for."""
-    binary, why = find_binary()
+def real_kubelet_binary(version: str = "1.37") -> str:
+    """The kubelet's own managers of ``version``; a missing build fails the test (`make kube` builds it)."""
+    binary, why = find_binary(version)
     if binary is None:
-        pytest.skip(why)
+        pytest.fail(why)
     return binary
 
 
 def start_kubelet(backend: str, dp_dir: Path, log: Path, **options: object) -> KubeletSimulator | RealKubelet:
-    """A kubelet on ``dp_dir``: "sim" (the simulator, ``options`` its keywords) or "real"."""
+    """A kubelet on ``dp_dir``: "sim" (the simulator, ``options`` its keywords), "real" (v1.37) or
+    "real-1.32" (the device manager of kubelets 1.28-1.34)."""
     if backend == "sim":
         return KubeletSimulator(str(dp_dir), **options).start()  # type: ignore[arg-type]
-    return RealKubelet(str(dp_dir), binary=real_kubelet_binary(), klog=str(log), **options).start()  # type: ignore[arg-type]
+    version = "1.32" if backend == "real-1.32" else "1.37"
+    return RealKubelet(  # type: ignore[arg-type]
+        str(dp_dir), binary=real_kubelet_binary(version), klog=str(log), **options
+    ).start()
+
+
+# Re-registration behaviour (kubernetes 121994/127803): kubelets 1.28-1.34 cut the newly registered
+# client when an older stream of the resource ends; kubelets with PR 135437 (v1.37 here) track
+# endpoints by socket path. Each behaviour runs on the simulator and on the real device manager.
+REREGISTRATION_KINDS = ("sim-1.28-1.34", "sim-fixed", "real-1.32", "real")
+FIXED_KINDS = ("sim-fixed", "real")
+
+
+def start_kind(kind: str, dp_dir: Path, short_tmp: Path) -> KubeletSimulator | RealKubelet:
+    """A kubelet of one of REREGISTRATION_KINDS on ``dp_dir``."""
+    if kind.startswith("real"):
+        return start_kubelet(kind, dp_dir, short_tmp / "k.log")
+    return start_kubelet("sim", dp_dir, short_tmp, reregistration="fixed" if kind in FIXED_KINDS else "buggy")
 
 
 def stop_kubelet(kubelet: KubeletSimulator | RealKubelet) -> None:
@@ -83,7 +101,7 @@ def stop_kubelet(kubelet: KubeletSimulator | RealKubelet) -> None:
 @pytest.fixture(params=BACKENDS)
 def kubelet(request: pytest.FixtureRequest, dp_dir: Path, short_tmp: Path) -> Iterator[KubeletSimulator | RealKubelet]:
     """Both kubelets: the test runs against the simulator and against the kubelet's own device
-    manager (skipped where kubelet-dm-serve is absent). Where they disagree, the simulator is wrong."""
+    manager (v1.37). Where they disagree, the simulator is wrong."""
     k = start_kubelet(request.param, dp_dir, short_tmp / "kubelet.log")
     yield k
     stop_kubelet(k)

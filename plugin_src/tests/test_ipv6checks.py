@@ -191,6 +191,7 @@ def test_to_dict_is_plain_data(short_tmp: Path) -> None:
         "gpu": None,
         "passed": True,
         "skipped": False,
+        "warning": False,
         "problem": "",
         "fix": "",
         "message": "RDMA netns mode shared",

@@ -17,7 +17,16 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import ScriptedPlugin, device, real_kubelet_binary, start_kubelet, stop_kubelet
+from conftest import (
+    FIXED_KINDS,
+    REREGISTRATION_KINDS,
+    ScriptedPlugin,
+    device,
+    real_kubelet_binary,
+    start_kind,
+    start_kubelet,
+    stop_kubelet,
+)
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
@@ -115,17 +124,14 @@ def test_a_dead_endpoint_keeps_its_devices_for_the_grace_period_then_the_resourc
         sim.stop()
 
 
-@pytest.mark.parametrize("kind", ["sim-1.28-1.34", "sim-fixed", "real"])
+@pytest.mark.parametrize("kind", REREGISTRATION_KINDS)
 def test_an_old_stream_ending_after_re_registration(
     dp_dir: Path, short_tmp: Path, plugins: list[ScriptedPlugin], kind: str
 ) -> None:
     """Re-registration does not close the old client. When the old stream ends, kubelets 1.28-1.34
-    (the real v1.32.10 too) disconnect the *new* client (kubernetes 121994/127803) and mark the
-    resource unhealthy by name; with PR 135437 only the old client goes and the resource stays."""
-    if kind == "real":
-        kubelet: Kubelet = start_kubelet("real", dp_dir, short_tmp / "k.log")
-    else:
-        kubelet = start_kubelet("sim", dp_dir, short_tmp, reregistration="fixed" if kind == "sim-fixed" else "buggy")
+    (the real v1.32 too) disconnect the *new* client (kubernetes 121994/127803) and mark the
+    resource unhealthy by name; with PR 135437 (the real v1.37) only the old client goes."""
+    kubelet = start_kind(kind, dp_dir, short_tmp)
     try:
         old = scripted(plugins, dp_dir, "old.sock")
         old.register()
@@ -138,7 +144,7 @@ def test_an_old_stream_ending_after_re_registration(
         assert kubelet.wait_for(lambda: kubelet.allocatable(RES) == 2)
         assert old.streams_ended == 0, "the kubelet left the old stream open"
         old.snapshots.put(None)  # the old stream ends now
-        if kind == "sim-fixed":
+        if kind in FIXED_KINDS:
             time.sleep(1.0)
             assert kubelet.allocatable(RES) == 2 and new.streams_ended == 0
         else:
@@ -148,31 +154,38 @@ def test_an_old_stream_ending_after_re_registration(
         stop_kubelet(kubelet)
 
 
+@pytest.mark.parametrize("kind", FIXED_KINDS)
 def test_a_second_registration_of_a_connected_path_is_refused_by_a_fixed_kubelet(
-    dp_dir: Path, plugins: list[ScriptedPlugin]
+    dp_dir: Path, short_tmp: Path, plugins: list[ScriptedPlugin], kind: str
 ) -> None:
     """PR 135437 tracks endpoints by socket path: two instances must not share one (the plugin gives
     each instance a name of its own, sockets.py)."""
-    sim = KubeletSimulator(str(dp_dir), reregistration="fixed").start()
+    kubelet = start_kind(kind, dp_dir, short_tmp)
     try:
         p = scripted(plugins, dp_dir)
         p.register()
         p.snapshots.put([device("x")])
-        assert sim.wait_registered(RES)
+        assert kubelet.wait_registered(RES)
         with pytest.raises(grpc.RpcError) as err:
             p.register()
-        assert err.value.code() == grpc.StatusCode.UNKNOWN and "already registered" in (err.value.details() or "")
+        assert err.value.code() == grpc.StatusCode.UNKNOWN
+        assert f"device plugin already connected: {dp_dir / p.name}" in (err.value.details() or "")
     finally:
-        sim.stop()
+        stop_kubelet(kubelet)
 
 
 # --------------------------------------------------------------------------- registration
 
 
+@pytest.mark.parametrize("kind", ["sim-1.28-1.34", "real-1.32", "real"])
 def test_start_removes_every_file_but_directories_and_the_checkpoint(
-    kubelet: Kubelet, plugins: list[ScriptedPlugin], dp_dir: Path
+    plugins: list[ScriptedPlugin], dp_dir: Path, short_tmp: Path, kind: str
 ) -> None:
-    """1.32 manager.go CleanupPluginDirectory (newer kubelets remove only sockets)."""
+    """1.32 manager.go CleanupPluginDirectory removes every file but directories and the
+    checkpoint; v1.37 removes only sockets, and its registration server writes DEPRECATION
+    (plugin/v1beta1/handler.go) at every start."""
+    kubelet = start_kind(kind, dp_dir, short_tmp)
+    request_cleanup = kubelet
     p = scripted(plugins, dp_dir)
     p.register()
     p.snapshots.put([device("x")])
@@ -185,9 +198,16 @@ def test_start_removes_every_file_but_directories_and_the_checkpoint(
     stray = socket.socket(socket.AF_UNIX)
     stray.bind(str(dp_dir / "stale.sock"))
     stray.close()
-    kubelet.restart()
-    assert sorted(os.listdir(dp_dir)) == sorted(["sub", "kubelet.sock", CHECKPOINT])
-    assert os.listdir(dp_dir / "sub") == ["inside.txt"]
+    try:
+        kubelet.restart()
+        if kind == "real":
+            kept = ["sub", "kubelet.sock", CHECKPOINT, "DEPRECATION", "notes.txt", "dangling"]
+        else:
+            kept = ["sub", "kubelet.sock", CHECKPOINT]
+        assert sorted(os.listdir(dp_dir)) == sorted(kept)
+        assert os.listdir(dp_dir / "sub") == ["inside.txt"]
+    finally:
+        stop_kubelet(request_cleanup)
 
 
 def _register(dp_dir: Path, version: str, resource: str, endpoint: str) -> None:
@@ -263,12 +283,16 @@ def test_dial_back_blocks_up_to_10_s_and_fails_registration(kubelet: Kubelet, dp
 # --------------------------------------------------------------------------- allocation
 
 
+@pytest.mark.parametrize("kind", ["sim-1.28-1.34", "real-1.32"])
 def test_a_stopped_endpoint_refuses_allocate_and_preferred_allocation(
-    kubelet: Kubelet, plugins: list[ScriptedPlugin], dp_dir: Path
+    plugins: list[ScriptedPlugin], dp_dir: Path, short_tmp: Path, kind: str
 ) -> None:
-    """Register twice (the kubelet keeps the first client's stream), end the second stream: the
-    current endpoint is stopped, yet the first stream can still fill the healthy set. Allocate and
-    GetPreferredAllocation must then be refused (endpoint.go isStopped), never sent."""
+    """Kubelets 1.28-1.34: register twice from one path (the kubelet keeps the first client's
+    stream), end the second stream: the current endpoint is stopped, yet the first stream can still
+    fill the healthy set. Allocate and GetPreferredAllocation must then be refused (endpoint.go
+    isStopped), never sent. (v1.37 refuses the second registration: the test below.)"""
+    kubelet = start_kind(kind, dp_dir, short_tmp)
+    request_cleanup = kubelet
     p = scripted(plugins, dp_dir)
     p.register()
     assert p.wait_streams(1)
@@ -280,9 +304,12 @@ def test_a_stopped_endpoint_refuses_allocate_and_preferred_allocation(
     assert kubelet.wait_for(lambda: kubelet.allocatable(RES) == 0)
     p.queues[0].put([device("x"), device("y")])  # the orphan stream still feeds the device sets
     assert kubelet.wait_for(lambda: kubelet.allocatable(RES) == 2)
-    with pytest.raises(REFUSED, match="stopped"):
-        admit(kubelet, "p1", {"main": 1})
-    assert not p.allocate_requests and not p.preferred_requests
+    try:
+        with pytest.raises(REFUSED, match="stopped"):
+            admit(kubelet, "p1", {"main": 1})
+        assert not p.allocate_requests and not p.preferred_requests
+    finally:
+        stop_kubelet(request_cleanup)
 
 
 def test_devices_are_chosen_and_sent_in_no_particular_order(

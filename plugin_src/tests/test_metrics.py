@@ -147,3 +147,64 @@ def test_metrics_alerts_rely_on(sim: KubeletSimulator, start_plugin, dp_dir: Pat
     assert sim.wait_for(lambda: scraped("rdma_dp_stream_ends_total", resource=RES) == 1, timeout=30), plugin.output()
     assert sim.wait_registered(RES, count=2, timeout=30)
     assert sim.wait_for(lambda: scraped("rdma_dp_resource_registered", resource=RES) == 1, timeout=30)
+
+
+def test_a_vanished_nic_leaves_the_metrics(sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode) -> None:  # type: ignore[no-untyped-def]
+    """Issue 31: the port map was only ever updated, so a removed NIC kept rdma_dp_port_active 1 and no
+    alert fired. Now it is GONE while its pool holds it (health.vanishGraceSeconds), counted Unhealthy
+    in rdma_dp_pool_nics, and drops out of every per-NIC series when the pool lets it go."""
+    port = _free_port()
+    config = {"version": "v1", "health": {"vanishGraceSeconds": 3}, "rediscoveryIntervalSeconds": 2}
+    plugin = start_plugin(config, extra=["--metrics-address", f"127.0.0.1:{port}"])
+    assert sim.wait_registered(RES), plugin.output()
+    m = _scrape(port)
+    assert _get(m, "rdma_dp_pool_nics", resource=RES, health="Healthy") == 4
+    assert _get(m, "rdma_dp_port_active", nic="mlx5_bond_3", port="1") == 1
+    node.remove_nic("mlx5_bond_3")
+
+    def gone_marked() -> bool:
+        m = _scrape(port)
+        return (
+            _get(m, "rdma_dp_port_state", nic="mlx5_bond_3", port="1", state="GONE") == 1
+            and _get(m, "rdma_dp_port_active", nic="mlx5_bond_3", port="1") == 0
+            and _get(m, "rdma_dp_pool_nics", resource=RES, health="Unhealthy") == 1
+        )
+
+    assert sim.wait_for(gone_marked, timeout=30), _scrape(port)
+    m = _scrape(port)
+    assert _get(m, "rdma_dp_pool_nics", resource=RES, health="Healthy") == 3
+    assert not [k for k in m if k[0] == "rdma_dp_nic_info" and dict(k[1])["nic"] == "mlx5_bond_3"]
+    assert not [
+        k
+        for k in m
+        if k[0] == "rdma_dp_port_state" and dict(k[1]) == {"nic": "mlx5_bond_3", "port": "1", "state": "ACTIVE"}
+    ]
+
+    def released() -> bool:
+        m = _scrape(port)
+        return not [k for k in m if dict(k[1]).get("nic") == "mlx5_bond_3"] and (
+            _get(m, "rdma_dp_pool_nics", resource=RES, health="Unhealthy") == 0
+        )
+
+    assert sim.wait_for(released, timeout=30), _scrape(port)
+    assert _get(_scrape(port), "rdma_dp_pool_nics", resource=RES, health="Healthy") == 3
+
+
+def test_port_state_changes_are_counted(sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode) -> None:  # type: ignore[no-untyped-def]
+    """rdma_dp_port_state_changes_total counts each observed change of a port (the flap alert reads its
+    increase over a window); it exists from the start at 0 for every port."""
+    port = _free_port()
+    plugin = start_plugin(extra=["--metrics-address", f"127.0.0.1:{port}"])
+    assert sim.wait_registered(RES), plugin.output()
+    m = _scrape(port)
+    assert all(_get(m, "rdma_dp_port_state_changes_total", nic=f"mlx5_bond_{i}", port="1") == 0 for i in range(4))
+    for state in ("DOWN", "ACTIVE", "DOWN", "ACTIVE"):
+        node.set_port_state("mlx5_bond_1", state)
+        want = HEALTHY_COUNT if state == "ACTIVE" else 0
+        assert sim.wait_for(lambda want=want: sim.allocatable(RES) == want, timeout=30), plugin.output()
+    m = _scrape(port)
+    assert _get(m, "rdma_dp_port_state_changes_total", nic="mlx5_bond_1", port="1") == 4
+    assert _get(m, "rdma_dp_port_state_changes_total", nic="mlx5_bond_0", port="1") == 0
+
+
+HEALTHY_COUNT = 1000

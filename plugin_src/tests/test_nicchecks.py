@@ -42,7 +42,7 @@ def test_a_healthy_node_passes_every_check_in_order(short_tmp: Path) -> None:
     )
     by_name = {(c.name, c.nic): c.message() for c in checks}
     assert by_name["rdma_devices", ""] == (
-        '4 RDMA device(s) match rdma_selectors {"vendors": ["15b3"]} '
+        '4 compute RDMA device(s) match rdma_selectors {"vendors": ["15b3"]} '
         "(mlx5_bond_0, mlx5_bond_1, mlx5_bond_2, mlx5_bond_3)"
     )
     assert by_name["rate", "mlx5_bond_1"] == "mlx5_bond_1: rate 200 Gb/sec (4X HDR)"
@@ -50,7 +50,11 @@ def test_a_healthy_node_passes_every_check_in_order(short_tmp: Path) -> None:
     assert by_name["rdma_cm", ""] == "/dev/infiniband/rdma_cm present"
     # unset expectations are not checked
     bare = _checks(short_tmp / "bare", fixtures.lingjun_node(nics=1), nicchecks.Expectations())
-    assert [c.name for c in bare] == ["kernel_modules", "rdma_devices", "port_state", "uverbs", "rdma_cm"]
+    assert [c.name for c in bare] == ["kernel_modules", "rdma_devices", "port_state", "rate", "uverbs", "rdma_cm"]
+    assert bare[3].message() == (  # rate is checked by default, against the node's own best port of the model
+        "mlx5_bond_0: rate 200 Gb/sec (4X HDR), the node's best for its model (the fleet report compares it across "
+        "nodes)"
+    )
 
 
 def _nic(spec: fixtures.NodeSpec, name: str, **changes: object) -> fixtures.NodeSpec:
@@ -82,7 +86,7 @@ NODE = fixtures.lingjun_node(nics=4)
         (
             fixtures.NodeSpec(nics=NODE.nics[:3]),
             [("rdma_devices", "")],
-            "3 RDMA device(s) match rdma_selectors",
+            "3 compute RDMA device(s) match rdma_selectors",
         ),
         (
             _nic(NODE, "mlx5_bond_1", port_state="DOWN", phys_state="Disabled"),
@@ -93,7 +97,8 @@ NODE = fixtures.lingjun_node(nics=4)
             _nic(NODE, "mlx5_bond_3", rate="100 Gb/sec (4X EDR)"),
             [("rate", "mlx5_bond_3")],
             "mlx5_bond_3: port rate is 100 Gb/sec (4X EDR), expected 200 Gb/sec. Fix: check the cable/transceiver "
-            "and the switch port speed (ethtool bond3)",
+            "(its type and speed), the switch port's speed and width, and the port's configured speed (ethtool bond3; "
+            "InfiniBand: ibportstate)",
         ),
         (
             _nic(NODE, "mlx5_bond_2", fw_ver="28.41.1000"),
@@ -166,3 +171,35 @@ def test_a_string_selector_is_refused_not_split_into_characters() -> None:
         ValueError, match=r'selector vendors must be a list of strings, not \'15b3\'; write vendors: \["15b3"\]'
     ):
         selectors.Selectors.from_mapping({"vendors": "15b3"})  # type: ignore[dict-item]
+
+
+IB = fixtures.lingjun_node(nics=4, bond=False, link_layer="InfiniBand")
+
+
+@pytest.mark.parametrize(
+    ("spec", "failed"),
+    [
+        (IB, []),
+        (_nic(IB, "mlx5_2", rate="200 Gb/sec (2X NDR)"), [("rate", "mlx5_2")]),  # two of the four lanes
+        # another model at its own rate is no fault (each model against its own best port)
+        (_nic(IB, "mlx5_3", device_id="101b", hca_type="MT4123", rate="200 Gb/sec (4X HDR)"), []),
+        # a port that is down is port_state's, not rate's
+        (
+            _nic(IB, "mlx5_1", port_state="DOWN", phys_state="Disabled", rate="10 Gb/sec (4X SDR)"),
+            [("port_state", "mlx5_1")],
+        ),
+    ],
+    ids=["ndr", "2x-ndr", "other-model", "down"],
+)
+def test_rate_is_checked_by_default_against_the_best_port_of_the_model(
+    short_tmp: Path, spec: fixtures.NodeSpec, failed: list[tuple[str, str]]
+) -> None:
+    """Issue 32: an NDR port at 200 Gb/sec (2X NDR) passed (rate was checked only with rate_gbps)."""
+    checks = _checks(short_tmp / "n", spec, nicchecks.Expectations())
+    assert _failed(checks) == failed
+    if failed == [("rate", "mlx5_2")]:
+        msg = next(c.message() for c in checks if c.name == "rate" and c.nic == "mlx5_2")
+        assert msg.startswith(
+            "mlx5_2: port 1 runs at 200 Gb/sec (2X NDR), below the 400 Gb/sec (4X NDR) of mlx5_0 (same model "
+            "15b3:1021). Fix: check the cable/transceiver"
+        )

@@ -117,7 +117,7 @@ def test_perftest_check_per_port(short_tmp: Path, stand_in: str, monkeypatch: py
     node = fixtures.write_node(str(short_tmp / "n"), fixtures.lingjun_node(nics=2))
     monkeypatch.setenv("FAKE_BW_mlx5_bond_0", "190")
     monkeypatch.setenv("FAKE_BW_mlx5_bond_1", "120")
-    want = healthchecks.Expectations(perftest=True, perftest_command=stand_in, perftest_seconds=1)
+    want = healthchecks.Expectations(perftest=True, perftest_command=stand_in, perftest_seconds=1, counter_interval=0)
     nics = sysfs.read_nics(node.sysfs, node.dev)
     # real_node: the roots are taken as this host's own (the stand-in plays the devices)
     read = healthchecks.read(nics, node.sysfs, node.procfs, node.root, want, real_node=True)
@@ -130,13 +130,13 @@ def test_perftest_check_per_port(short_tmp: Path, stand_in: str, monkeypatch: py
         .message()
         .startswith("mlx5_bond_1: port 1 loopback 120 Gb/s of 200 Gb/s (60.0 %, need 92.5 %). Fix: check the PCIe link")
     )
-    # the GID index NCCL would use is the one the test uses
-    assert read.nics[0].perftest[1].command[read.nics[0].perftest[1].command.index("-x") + 1] == "0"
+    # the GID index NCCL would use is the one the test uses (AF_INET6 here: the NICs have IPv6 addresses only)
+    assert read.nics[0].perftest[1].command[read.nics[0].perftest[1].command.index("-x") + 1] == "3"
 
 
 def test_not_installed(short_tmp: Path) -> None:
     node = fixtures.write_node(str(short_tmp / "n"), fixtures.lingjun_node(nics=1))
-    want = healthchecks.Expectations(perftest=True, perftest_command="rdp-no-such-ib_write_bw")
+    want = healthchecks.Expectations(perftest=True, perftest_command="rdp-no-such-ib_write_bw", counter_interval=0)
     read = healthchecks.read(sysfs.read_nics(node.sysfs, node.dev), node.sysfs, node.procfs, node.root, want, True)
     perf = [c for c in healthchecks.check(read, want) if c.name == "perftest"]
     assert len(perf) == 1 and perf[0].skipped

@@ -129,7 +129,7 @@ def test_listandwatch_is_serialized_once_per_change_for_every_stream(
     assert healthy == [1000, 0, 1000, 0]
 
 
-def test_the_real_kubelet_is_looked_for_in_order_and_its_absence_says_where(
+def test_the_real_kubelet_is_found_through_the_build_script_and_its_absence_names_the_fix(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from rdma_device_plugin.kubesim import real
@@ -138,15 +138,23 @@ def test_the_real_kubelet_is_looked_for_in_order_and_its_absence_says_where(
     binary, why = real.find_binary()
     assert binary is None and f"${real.ENV_BINARY}={tmp_path / 'nope'} is not an executable file" in why
     monkeypatch.delenv(real.ENV_BINARY)
-    missing = (tmp_path / "a" / real.BINARY_NAME, tmp_path / "b" / real.BINARY_NAME)
-    monkeypatch.setattr(real, "SEARCH_PATHS", missing)
+    # Not a checkout: no build script to ask, so the variable is the way
+    monkeypatch.setattr(real, "_BUILD_SCRIPT", tmp_path / "absent.sh")
     binary, why = real.find_binary()
-    assert binary is None and str(missing[0]) in why and str(missing[1]) in why and real.ENV_BINARY in why
-    found = tmp_path / "b" / real.BINARY_NAME
-    found.parent.mkdir()
+    assert binary is None and real.ENV_BINARY in why and "absent.sh" in why
+    # A checkout where `make kube` has not run: the script names the directory, the binary is missing
+    bin_dir = tmp_path / "bin"
+    script = tmp_path / "kube-build.sh"
+    script.write_text(f'[ "$1" = --print-bin ] && echo {bin_dir}\n', encoding="utf-8")
+    monkeypatch.setattr(real, "_BUILD_SCRIPT", script)
+    binary, why = real.find_binary()
+    assert binary is None and "make kube" in why and str(bin_dir / real.BINARY_NAME) in why
+    bin_dir.mkdir()
+    found = bin_dir / real.BINARY_NAME
     found.write_text("#!/bin/sh\n", encoding="utf-8")
     found.chmod(0o755)
     assert real.find_binary() == (str(found), "")
+    assert real.find_binary("1.32")[0] is None  # the other version is asked with its own flag
 
 
 def test_the_longest_allocatable_0_window_of_a_recording() -> None:

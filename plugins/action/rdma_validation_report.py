@@ -20,6 +20,7 @@ import tempfile
 
 from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
+from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_action import execute_beside
 from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import Hosts
 
 MODULE = "rdma_validation_report"
@@ -53,12 +54,7 @@ class ActionModule(ActionBase):
             args["node_names"] = names
         elif read is not None:
             raise AnsibleActionFail(f"{MODULE}: read names the registered read beside fact; set fact too")
-        try:
-            # The module beside this action: rdma_validation_report, or lingjun.rdma.rdma_validation_report in the collection.
-            module = self._task.resolved_action or MODULE
-            result.update(self._execute_module(module_name=module, module_args=args, task_vars=task_vars))
-        finally:
-            self._remove_tmp_path(self._connection._shell.tmpdir)
+        result.update(execute_beside(self, MODULE, args, task_vars))
         return result
 
     def _results_file(self, values, candidates, fact, read):

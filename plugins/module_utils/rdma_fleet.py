@@ -304,8 +304,14 @@ FACETS = [
     Facet("link layer", _summary("link_layers")),
     Facet("RDMA NICs", _summary("nic_count")),
     Facet("RoCE v2 GID index", _gid_index, check="drift_gid_index",
-          fix="NCCL_IB_GID_INDEX is one value for the whole job: give the node's RoCE netdevs the fleet's address "
-          "layout (the same IPv4/IPv6 addresses in the same order) so that its RoCE v2 GID lands at the same index"),
+          fix="it matters only where NCCL_IB_GID_INDEX is pinned (one value for the whole job; NCCL otherwise picks the "
+          "GID per NIC): give the node's RoCE netdevs the fleet's address layout (the same IPv4/IPv6 addresses in the "
+          "same order) so that its RoCE v2 GID lands at the same index"),
+    # sysfs shows a port's active rate only (its supported widths need a MAD): a node whose ports all trained
+    # low passes its own rate check; the fleet's most common rate is the reference then.
+    Facet("port rate", _summary("port_rates"), check="drift_port_rate",
+          fix="check the cables/transceivers and the switch ports' speed and width of the node's compute ports "
+          "(ethtool <netdev>; InfiniBand: ibportstate, ibstat), then reseat or replace what trains low"),
 ]  # fmt: skip
 
 

@@ -17,6 +17,15 @@ description:
     container runtime's memlock limit in the same run. Reading needs no root.
   - Never changes the node. Supports check mode and always reports C(changed=false). Only
     I(perftest) loads the NICs (a bounded ib_write_bw loopback, off by default).
+  - Only the compute NICs are validated (C(rdma_device_plugin.node.compute)) - physical functions
+    (an RDMA device on an SR-IOV VF is listed and counted, never checked), selected as compute by
+    link layer and/or a RoCE v2 GID on the compute network (I(compute_link_types),
+    I(compute_networks)) or by name (I(compute_nics)); the other selected NICs are listed as
+    storage/management and not held to the RoCE settings.
+  - Error counters are judged by their growth (within I(counter_interval), spent while the rest
+    of the node is read, and since the previous run's values, I(counter_baseline)), never by their
+    lifetime totals. The action plugin beside this module keeps those values on the controller
+    (I(counter_baseline_dir)).
   - The roots are parameters so tests can point them at kernel-shaped fixture trees.
 version_added: "0.1.0"
 author: rdma-device-plugin maintainers
@@ -69,14 +78,38 @@ options:
     description: Minimum driver version for the C(driver_version) NIC check; null = not checked.
     type: str
   expected_nics:
-    description: Number of RDMA devices the selectors must find; null = at least one.
+    description: Number of compute RDMA devices the selectors must find; null = at least one.
     type: int
+  compute_nics:
+    description: >-
+      RDMA device names of the compute NICs (a per-node override); empty = by link layer and network
+      (I(compute_link_types), I(compute_networks)).
+    type: list
+    elements: str
+    default: []
+  compute_link_types:
+    description: >-
+      Link layers of the compute NICs; empty = InfiniBand on a node that has an InfiniBand port (its
+      Ethernet ports serve storage), else Ethernet.
+    type: list
+    elements: str
+    choices: [Ethernet, InfiniBand]
+    default: []
+  compute_networks:
+    description: >-
+      CIDRs of the compute network. An Ethernet NIC is compute only with a RoCE v2 GID in one, and
+      the GID NCCL uses must be in one (C(gid_index)); empty = any.
+    type: list
+    elements: str
+    default: []
   link_layer:
     description: Link layer every port must have; null = not checked.
     type: str
     choices: [Ethernet, InfiniBand]
   rate_gbps:
-    description: Rate every port must run at, in Gb/sec; null = not checked.
+    description: >-
+      Rate every port must run at, in Gb/sec; null = every port at the best rate of the node's ports
+      of the same model (the fleet report compares the rates across nodes).
     type: float
   min_fw_version:
     description: Minimum firmware version of every NIC; null = not checked.
@@ -152,22 +185,52 @@ options:
     default: 3
   counter_max:
     description: >-
-      Port counter name (C(counters/) or C(hw_counters/)) -> the most it may show; an empty dict
-      leaves the C(port_counters) check not checked.
+      Port counter name (C(counters/) or C(hw_counters/)) -> the most it may grow since the values the
+      previous run stored for the node (I(counter_baseline)); lifetime totals are reported, not judged.
     type: dict
     default: {excessive_buffer_overrun_errors: 0, local_link_integrity_errors: 0}
+  counter_watch:
+    description: Port counters that must not grow at all within I(counter_interval) (a link taking errors now).
+    type: list
+    elements: str
+    default: [symbol_error, link_error_recovery, port_rcv_errors, port_rcv_remote_physical_errors,
+              local_link_integrity_errors, excessive_buffer_overrun_errors]
   counter_interval:
     description: >-
-      Seconds between two reads of C(link_downed) and C(carrier_changes) within this run (the
-      C(link_flap) check); 0 = one read, C(link_flap) not checked. The rest of the read happens
-      in between, so the run takes at least this long.
+      Seconds between the two reads of the watched counters, C(link_downed) and C(carrier_changes)
+      (C(port_counters), C(link_flap)); 0 = one read. The first read is taken before the rest of the
+      node is read and the second after it, so the run takes at least this long, not this much longer.
     type: float
-    default: 0
+    default: 3
+  counter_baseline:
+    description: >-
+      The counters the previous run returned in C(counter_baseline_next) for this node; the action
+      plugin passes them from I(counter_baseline_dir). Null = no previous run.
+    type: dict
+  counter_baseline_dir:
+    description: >-
+      Controller directory of the stored counters, one C(<inventory host>.json) per node: the action
+      plugin reads this host's file into I(counter_baseline) and writes C(counter_baseline_next) back
+      after a read (not in check mode). Null = nothing stored.
+    type: path
   nccl_addr_family:
-    description: NCCL_IB_ADDR_FAMILY the reported GID index is computed for (NCCL's default is AF_INET).
+    description: >-
+      NCCL_IB_ADDR_FAMILY the GID NCCL picks is computed for; C(auto) as the plugin's workloadEnv gives
+      hostNetwork pods (AF_INET where every RoCE NIC has an IPv4 RoCE v2 GID, else AF_INET6).
     type: str
-    default: AF_INET
-    choices: [AF_INET, AF_INET6]
+    default: auto
+    choices: [auto, AF_INET, AF_INET6]
+  nccl_gid_index:
+    description: >-
+      NCCL_IB_GID_INDEX when the deployment pins it (every RoCE NIC must then carry a RoCE v2 GID of the
+      address family at that index); null = not pinned, NCCL picks per NIC.
+    type: int
+  ipc_lock:
+    description: >-
+      RDMA pods run with CAP_IPC_LOCK (the chart's admission policy requires it): a limited memlock is
+      then a warning (ib_umem_get exempts them), else a failure.
+    type: bool
+    default: true
   topology_expected:
     description: RDMA device name -> PCI addresses of the GPUs that must share its PCIe switch; null = not checked.
     type: dict
@@ -231,7 +294,8 @@ node:
       description: >-
         Per role, the summary row of the fleet report (NIC count, link layers, firmware, IPv6, ...).
         C(rdma_node_health): C(health) (passed/failed), C(not_checked) (check names),
-        C(gpus) (count), C(gid_index) (NIC -> NCCL's GID index of port 1), C(mtu) (NIC -> netdev
+        C(gpus) (count), C(gid_index) (NIC -> NCCL's GID index of port 1), C(gid_family) (the
+        NCCL address family it is for), C(mtu) (NIC -> netdev
         MTU of its RoCE netdev), C(bonds) (NIC -> bond mode), C(pcie_degraded) (NICs and GPU
         addresses), C(topology) (NIC -> C(switch)/C(root_port)/C(numa) -> GPU addresses, each list
         holding the closer ones too), C(gpudirect) (C(peermem), C(dma-buf) or C(none)), C(kernel) (the release) and
@@ -285,6 +349,12 @@ node:
         (empty when passed) and C(message) (C(<nic> (<netdev>): ...), with C(. Fix: ...) when failed).
       type: list
       elements: dict
+    counter_baseline_next:
+      description: >-
+        What the next run compares the counters with (the action plugin stores it and leaves it out of
+        the result): per NIC its node GUID, the time and the latest values, or, for a NIC whose counters
+        grew past I(counter_max) since I(counter_baseline), those previous values.
+      type: dict
     health:
       description: >-
         With C(details) and I(health): everything the health read saw, C(interval) (seconds
@@ -302,6 +372,7 @@ from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_node import (
     checks,
+    compute,
     healthchecks,
     ipv6checks,
     nicchecks,
@@ -315,6 +386,9 @@ NIC_OPTIONS = (
     "version_module",
     "min_driver_version",
     "expected_nics",
+    "compute_nics",
+    "compute_link_types",
+    "compute_networks",
     "link_layer",
     "rate_gbps",
     "min_fw_version",
@@ -331,8 +405,11 @@ HEALTH_OPTIONS = (
     "roce_trust",
     "pfc_priority",
     "counter_max",
+    "counter_watch",
     "counter_interval",
     "nccl_addr_family",
+    "nccl_gid_index",
+    "ipc_lock",
     "topology_expected",
     "gpudirect_required",
     "perftest",
@@ -410,7 +487,7 @@ def _health_rows(found: list[checks.Check]) -> list[dict[str, Any]]:
     """The health rows: {name, nic, netdev, gpu, passed, skipped, message, role}."""
     rows = _rows(found, HEALTH)
     for row, c in zip(rows, found, strict=True):
-        row.update(netdev=c.netdev or None, gpu=c.gpu or None, skipped=c.skipped)
+        row.update(netdev=c.netdev or None, gpu=c.gpu or None, skipped=c.skipped, warning=c.warning)
     return rows
 
 
@@ -422,7 +499,7 @@ def compact_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict
     listed: list[dict[str, Any]] = []
     passed: dict[str, dict[str, int]] = {}
     for row in rows:
-        if row["passed"] and not row.get("skipped"):
+        if row["passed"] and not row.get("skipped") and not row.get("warning"):
             per_role = passed.setdefault(row["role"], {})
             per_role[row["name"]] = per_role.get(row["name"], 0) + 1
         else:
@@ -450,8 +527,12 @@ def _health_expectations(p: dict[str, Any]) -> healthchecks.Expectations:
         roce_trust=p["roce_trust"],
         pfc_priority=p["pfc_priority"],
         counter_max=counter_max,
+        counter_watch=tuple(p["counter_watch"]),
         counter_interval=p["counter_interval"],
         nccl_addr_family=p["nccl_addr_family"],
+        nccl_gid_index=p["nccl_gid_index"],
+        compute_networks=tuple(p["compute_networks"]),
+        ipc_lock=p["ipc_lock"],
         topology_expected=expected,
         gpudirect_required=p["gpudirect_required"],
         perftest=p["perftest"],
@@ -484,6 +565,11 @@ def main() -> None:
             "ipv6_roce_v2_gid": {"type": "bool", "default": True},
             "min_driver_version": {"type": "str"},
             "expected_nics": {"type": "int"},
+            "compute_nics": {"type": "list", "elements": "str", "default": []},
+            "compute_link_types": {
+                "type": "list", "elements": "str", "default": [], "choices": [compute.ETHERNET, compute.INFINIBAND]
+            },
+            "compute_networks": {"type": "list", "elements": "str", "default": []},
             "link_layer": {"type": "str", "choices": ["Ethernet", "InfiniBand"]},
             "rate_gbps": {"type": "float"},
             "min_fw_version": {"type": "str"},
@@ -502,8 +588,13 @@ def main() -> None:
             "roce_trust": {"type": "str", "default": "dscp", "choices": ["dscp", "pcp"]},
             "pfc_priority": {"type": "int", "default": 3},
             "counter_max": {"type": "dict", "default": dict(healthchecks.DEFAULT_COUNTER_MAX)},
-            "counter_interval": {"type": "float", "default": 0.0},
-            "nccl_addr_family": {"type": "str", "default": "AF_INET", "choices": ["AF_INET", "AF_INET6"]},
+            "counter_watch": {"type": "list", "elements": "str", "default": list(healthchecks.DEFAULT_COUNTER_WATCH)},
+            "counter_interval": {"type": "float", "default": healthchecks.DEFAULT_COUNTER_INTERVAL},
+            "counter_baseline": {"type": "dict"},
+            "counter_baseline_dir": {"type": "path"},  # the action plugin's; unused here
+            "nccl_addr_family": {"type": "str", "default": "auto", "choices": ["auto", "AF_INET", "AF_INET6"]},
+            "nccl_gid_index": {"type": "int"},
+            "ipc_lock": {"type": "bool", "default": True},
             "topology_expected": {"type": "dict"},
             "gpudirect_required": {"type": "bool", "default": False},
             "perftest": {"type": "bool", "default": False},
@@ -530,6 +621,9 @@ def main() -> None:
             fw_consistent=p["fw_consistent"],
         )
         health_want = _health_expectations(p)
+        want_compute = compute.Compute(
+            tuple(p["compute_nics"]), tuple(p["compute_link_types"]), tuple(p["compute_networks"])
+        )
     except (TypeError, ValueError) as exc:
         module.fail_json(msg=f"invalid options: {exc}")
     selection = nicchecks.selection_text(chosen_keys)
@@ -556,14 +650,28 @@ def main() -> None:
         )
 
     nics = sysfs.read_nics(p["sysfs_root"], p["dev_root"])
-    selected = chosen.select(nics)
-    names = {n.name for n in selected}
+    names = {n.name for n in chosen.select(nics)}
     ignored = [n for n in nics if n.name not in names]
+    roles = compute.classify([n for n in nics if n.name in names], want_compute)
+    selected = roles.compute  # the compute NICs: every check below is about them
+    watch = None
+    if p["health"]:  # the first counter read now: counter_interval runs while the rest is read
+        watch = healthchecks.watch_counters(selected, p["sysfs_root"], health_want)
     loaded = sysfs.loaded_modules(p["sysfs_root"], sorted(set(p["modules"]) | {"ib_core"}))
     driver_version = sysfs.module_version(p["sysfs_root"], p["version_module"])
     cm = sysfs.rdma_cm(p["dev_root"])
     nic_checks = nicchecks.check(
-        nicchecks.NodeRead(selected, [n.name for n in ignored], loaded, driver_version, cm),
+        nicchecks.NodeRead(
+            selected,
+            [n.name for n in ignored],
+            loaded,
+            driver_version,
+            cm,
+            storage=roles.other,
+            vf_devices=roles.vf_devices,
+            vfs=roles.vfs,
+            missing=roles.missing,
+        ),
         want,
         sysfs_root=p["sysfs_root"],
         selection=selection,
@@ -582,10 +690,10 @@ def main() -> None:
         roce_v2_gid=p["ipv6_roce_v2_gid"],
         selection=selection,
     )
-    compute: dict[str, list[sysfs.Nic]] = {}
+    by_netdev: dict[str, list[sysfs.Nic]] = {}
     for nic in selected:
         for netdev in nic.compute_netdevs:
-            compute.setdefault(netdev, []).append(nic)
+            by_netdev.setdefault(netdev, []).append(nic)
 
     health_read = None
     health: list[checks.Check] = []
@@ -594,7 +702,15 @@ def main() -> None:
         host_root = p["host_root"] or os.path.dirname(os.path.abspath(p["procfs_root"]))
         try:
             health_read = healthchecks.read(
-                selected, p["sysfs_root"], p["procfs_root"], host_root, health_want, real, active_mtu=seen.active_mtu
+                selected,
+                p["sysfs_root"],
+                p["procfs_root"],
+                host_root,
+                health_want,
+                real,
+                active_mtu=seen.active_mtu,
+                watch=watch,
+                baseline=p["counter_baseline"],
             )
             health = healthchecks.check(health_read, health_want)
         except Exception as exc:  # a reader bug must not cost the node its NIC and IPv6 checks
@@ -631,15 +747,18 @@ def main() -> None:
             "rdma_nic_validate": {
                 "nic_count": len(selected),
                 "nics": [n.name for n in selected],
-                "ignored": [n.name for n in ignored],
+                "storage": sorted(roles.other),
+                "vfs": roles.vfs,
+                "ignored": [n.name for n in ignored] + roles.vf_devices,
                 "link_layers": sorted({ll for n in selected for ll in n.link_layers}),
                 "firmware": sorted({n.fw_ver for n in selected}),
                 "driver_version": driver_version,
                 "roce_v2_gid_index": _gid_indexes(selected),
+                "port_rates": sorted({p.rate for n in selected for p in n.ports if p.active and p.rate}),
             },
             "ipv6_compute_validate": {
                 "ipv6": "passed" if all(c.passed for c in ipv6) else "failed",
-                "ipv6_addresses": [a.address for netdev in compute for a in netdevs[netdev].addresses],
+                "ipv6_addresses": [a.address for netdev in by_netdev for a in netdevs[netdev].addresses],
                 "netns_mode": netns_mode,
             },
             HEALTH: healthchecks.summary(health_read, health)
@@ -647,8 +766,10 @@ def main() -> None:
             else {"health": "failed" if health else "not checked"},
         },
     }
+    if health_read is not None:
+        node["counter_baseline_next"] = healthchecks.next_baseline(health_read, health_want)
     if p["details"]:
-        node["ipv6"] = {netdev: _ipv6(netdev, netdevs[netdev], owners) for netdev, owners in compute.items()}
+        node["ipv6"] = {netdev: _ipv6(netdev, netdevs[netdev], owners) for netdev, owners in by_netdev.items()}
         if health_read is not None:
             node["health"] = healthchecks.details(health_read)
     _exit(module, node)
@@ -676,7 +797,8 @@ def _exit(module: AnsibleModule, node: dict[str, Any]) -> None:
         },
     }
     # The fact is the result: the node's read is not returned again (controller memory at fleet scale).
-    lean = {k: node[k] for k in ("sysfs_root", "procfs_root", "dev_root", "options", "verbs") if k in node}
+    keep = ("sysfs_root", "procfs_root", "dev_root", "options", "verbs", "counter_baseline_next")
+    lean = {k: node[k] for k in keep if k in node}
     module.exit_json(changed=False, node=lean, ansible_facts={"rdma_validation": fact})
 
 

@@ -15,6 +15,7 @@ import json
 import os
 
 MISSING = object()
+INVENTORY_HOSTNAME = "{{inventory_hostname}}"  # a template that is the host's own name (spaces removed)
 
 
 def _is_template(value):
@@ -43,6 +44,11 @@ class Hosts(object):
         return value
 
     def node_name(self, host):
+        raw = self.raw(host).get("rdma_k8s_node_name")
+        if isinstance(raw, str) and raw.replace(" ", "") == INVENTORY_HOSTNAME:
+            # rdma_node_facts' default: the host's name, without templating the host's whole namespace (a
+            # second variable merge per host; the report and the labels ask it of every host, once per run)
+            return host
         value = self.get(host, "rdma_k8s_node_name", None)
         return str(value) if value else host
 

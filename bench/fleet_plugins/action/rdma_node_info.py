@@ -32,6 +32,7 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ansible-core ships no t
         result: dict[str, Any] = super().run(tmp, task_vars)
         args = dict(self._task.args)
         host = args.pop("record_host", None)
+        args.pop("counter_baseline_dir", None)  # the real action plugin's file per host: not kept here
         key = hashlib.sha256(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()
         cache = Path(os.environ["RDMA_FLEET_FAKE_CACHE"]) / f"{key}.json"
         try:
@@ -48,4 +49,5 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ansible-core ships no t
             partial.replace(cache)  # forks that read it at the same time see all of it or nothing
         # The placeholder stands for the host name in the recorded fact and the invocation.
         result.update(json.loads(text.replace(json.dumps(PLACEHOLDER), json.dumps(host))))
+        result.get("node", {}).pop("counter_baseline_next", None)  # as the real action plugin does
         return result

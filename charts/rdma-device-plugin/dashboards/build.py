@@ -7,8 +7,14 @@ rather than hand-written JSON. Writes ``files/dashboards/rdma-device-plugin.json
     .venv/bin/python charts/rdma-device-plugin/dashboards/build.py --check  # exit 1 on drift
 
 Placeholders the chart's templates/dashboard.yaml fills per release: ``__SELECTOR__`` (the PromQL
-matchers of metrics.jobSelector, JSON-escaped), ``__UID__`` (a uid per namespace and release: two
+matchers of metrics.jobSelector, JSON-escaped), ``__RDMA_NODES__`` (the nodes that should run a
+plugin, one series per node: kube-state-metrics' kube_node_labels as the alerts read them, or the
+plugin targets without kube-state-metrics), ``__UID__`` (a uid per namespace and release: two
 releases in one Grafana do not collide) and ``__RELEASE__`` (in the title, unique per folder).
+
+At 2,000 nodes: the fleet row aggregates (sums per resource, fleet quantiles, top 10 nodes), never
+one line per node; its tables list only the nodes that are not ready. The per-NIC panels are in the
+node row, for the nodes picked in ``node``.
 
 Conventions of the Kubernetes mixins: a ``cluster`` variable (all by default: ``.*`` also matches
 series without the label, so a single cluster needs nothing), a ``node`` variable, rates over
@@ -38,12 +44,14 @@ DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = "__SELECTOR__"
 FLEET = f'{SEL},cluster=~"$cluster"'
 NODE = f'{SEL},cluster=~"$cluster",node=~"$node"'
+RDMA_NODES = "__RDMA_NODES__"  # one series per node that should run a plugin (cluster filter included)
 
 
 def q(expr: str, ref: str, legend: str = "", instant: bool = False) -> prometheus.Dataquery:
     query = prometheus.Dataquery().expr(expr).ref_id(ref).datasource(DS)
-    if instant:
-        return query.instant().format(PromQueryFormat.TABLE)
+    if instant:  # a table row per series; a legend names a stat's value
+        query = query.instant().format(PromQueryFormat.TABLE)
+        return query.legend_format(legend) if legend else query
     return query.range().legend_format(legend or "__auto")
 
 
@@ -74,6 +82,31 @@ READY = (
     f" * on(node) (min by (node) (rdma_dp_resource_registered{{{FLEET}}}))"
     f' * on(node) clamp_max(sum by (node) (rdma_dp_devices{{{FLEET},health="Healthy"}}), 1)'
 )
+# The nodes that should run a plugin and cannot take RDMA pods: no plugin, down, unregistered, nothing
+# Healthy (RdmaFleetNotReady's set), one series per node.
+NOT_READY = f"({RDMA_NODES} unless on(node) (({READY}) == 1))"
+SELECTED = f'rdma_dp_nic_info{{{FLEET},resource!=""}}'
+LINK_ERRORS = (
+    "symbol_errors|receive_errors|receive_remote_physical_errors|link_error_recoveries|"
+    "local_link_integrity_errors|excessive_buffer_overrun_errors"
+)
+
+
+def rate(metric: str, where: str = NODE) -> str:
+    return f"rate({metric}{{{where}}}[$__rate_interval])"
+
+
+def link_errors(where: str) -> str:
+    """The per-second rate of every link error counter of every port, each with a ``counter`` label: rate()
+    drops the metric name, and several counters' series with the same labels are an evaluation error."""
+    return " or ".join(
+        f'label_replace({rate(f"rdma_dp_port_{name}_total", where)}, "counter", "{name}", "", "")'
+        for name in LINK_ERRORS.split("|")
+    )
+
+
+# Selected ports (of NICs a pool selects) not ACTIVE, per node.
+PORTS_DOWN = f"sum by (node) ((1 - rdma_dp_port_active{{{FLEET}}}) * on(job, instance, nic) group_left() {SELECTED})"
 
 
 def build() -> dict[str, object]:
@@ -87,7 +120,7 @@ def build() -> dict[str, object]:
         """A time series panel, 8 high, one query per (expression, legend); each legend starts with
         the grouping labels ``by`` ("node, resource" -> "{{node}} {{resource}} <legend>")."""
         panel = place(ts(), title, width, 8)
-        prefix = " ".join("{{" + label.strip() + "}}" for label in by.split(","))
+        prefix = " ".join("{{" + label.strip() + "}}" for label in by.split(",") if label.strip())
         for ref, (expr, legend) in zip("ABCDEF", lines, strict=False):
             panel = panel.with_target(q(expr, ref, f"{prefix} {legend}".rstrip()))
         return panel
@@ -96,11 +129,15 @@ def build() -> dict[str, object]:
     fleet_ready = (
         place(stat.Panel(), "Nodes RDMA-ready", 6, 6)
         .description(
-            "Nodes whose plugin is scraped, has every resource registered and a Healthy device; and those that are not."
+            "RDMA nodes (kube-state-metrics' node labels, as the alerts read them) whose plugin is scraped, has "
+            "every resource registered and a Healthy device; not ready: every other RDMA node, those without a "
+            "plugin or whose plugin is down included."
         )
-        .with_target(q(f"sum({READY})", "A", "ready", instant=True).format(PromQueryFormat.TIME_SERIES))
         .with_target(
-            q(f"count(({READY}) == 0) or vector(0)", "B", "not ready", instant=True).format(PromQueryFormat.TIME_SERIES)
+            q(f"count(({READY}) == 1) or vector(0)", "A", "ready", instant=True).format(PromQueryFormat.TIME_SERIES)
+        )
+        .with_target(
+            q(f"count({NOT_READY}) or vector(0)", "B", "not ready", instant=True).format(PromQueryFormat.TIME_SERIES)
         )
         .graph_mode(cm.BigValueGraphMode.NONE)
         .color_mode(cm.BigValueColorMode.VALUE)
@@ -108,93 +145,128 @@ def build() -> dict[str, object]:
         .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
     )
     readiness = (
-        place(table.Panel(), "RDMA readiness by node", 18, 6)
+        place(table.Panel(), "Nodes not RDMA-ready", 18, 6)
         .description(
-            "One row per node: scraped, registered, Healthy and all devices, selected ports not ACTIVE, "
-            "plugin version and mode."
+            "One row per RDMA node that cannot take RDMA pods (only those: a fleet of 2,000 lists a few rows): "
+            "scraped, registered, Healthy and all devices, selected ports not ACTIVE. Empty cells: no plugin there."
         )
-        .with_target(q(f"min by (node) (up{{{FLEET}}})", "A", instant=True))
-        .with_target(q(f"min by (node) (rdma_dp_resource_registered{{{FLEET}}})", "B", instant=True))
-        .with_target(q(f'sum by (node) (rdma_dp_devices{{{FLEET},health="Healthy"}})', "C", instant=True))
-        .with_target(q(f"sum by (node) (rdma_dp_devices{{{FLEET}}})", "D", instant=True))
+        .with_target(q(f"max by (node) ({NOT_READY})", "A", instant=True))
+        .with_target(q(f"min by (node) (up{{{FLEET}}}) and on(node) {NOT_READY}", "B", instant=True))
+        .with_target(
+            q(f"min by (node) (rdma_dp_resource_registered{{{FLEET}}}) and on(node) {NOT_READY}", "C", instant=True)
+        )
         .with_target(
             q(
-                f"sum by (node) ((1 - rdma_dp_port_active{{{FLEET}}})"
-                f' * on(job, instance, nic) group_left() rdma_dp_nic_info{{{FLEET},resource!=""}})',
-                "E",
+                f'sum by (node) (rdma_dp_devices{{{FLEET},health="Healthy"}}) and on(node) {NOT_READY}',
+                "D",
                 instant=True,
             )
         )
-        .with_target(q(f"max by (node, version, mode) (rdma_dp_build_info{{{FLEET}}})", "F", instant=True))
+        .with_target(q(f"sum by (node) (rdma_dp_devices{{{FLEET}}}) and on(node) {NOT_READY}", "E", instant=True))
+        .with_target(
+            q(
+                f"{PORTS_DOWN} and on(node) {NOT_READY}",
+                "F",
+                instant=True,
+            )
+        )
         .show_header(True)
         .with_transformation(MERGE)
         .with_transformation(
             organize(
                 {
                     "node": "Node",
-                    "Value #A": "Scraped",
-                    "Value #B": "Registered",
-                    "Value #C": "Healthy devices",
-                    "Value #D": "Devices",
-                    "Value #E": "Ports not ACTIVE",
-                    "version": "Version",
-                    "mode": "Mode",
+                    "Value #B": "Scraped",
+                    "Value #C": "Registered",
+                    "Value #D": "Healthy devices",
+                    "Value #E": "Devices",
+                    "Value #F": "Ports not ACTIVE",
                 },
-                ("Time", "Value #F"),
+                ("Time", "Value #A"),
             )
         )
     )
-    ports_down = series(
-        "NIC ports not ACTIVE by node",
-        12,
-        "node",
-        (
-            (
-                f"sum by (node) ((1 - rdma_dp_port_active{{{FLEET}}})"
-                f' * on(job, instance, nic) group_left() rdma_dp_nic_info{{{FLEET},resource!=""}})'
-            ),
-            "",
-        ),
-    ).description('Ports of NICs a pool selects (rdma_dp_nic_info resource != ""); unused NICs are left out.')
     capacity = series(
-        "Allocatable vs capacity per node",
+        "Allocatable vs capacity, fleet",
         12,
-        "node, resource",
-        (f'sum by (node, resource) (rdma_dp_devices{{{FLEET},health="Healthy"}})', "allocatable"),
-        (f"sum by (node, resource) (rdma_dp_devices{{{FLEET}}})", "capacity"),
-    )
+        "resource",
+        (f'sum by (resource) (rdma_dp_devices{{{FLEET},health="Healthy"}})', "allocatable"),
+        (f"sum by (resource) (rdma_dp_devices{{{FLEET}}})", "capacity"),
+    ).description("Summed over the nodes: a drop of allocatable below capacity is NICs going Unhealthy somewhere.")
+    degraded = series(
+        "Nodes degraded",
+        12,
+        "",
+        (f"count({NOT_READY}) or vector(0)", "not RDMA-ready"),
+        (
+            f'count(sum by (node) (rdma_dp_devices{{{FLEET},health="Unhealthy"}}) > 0) or vector(0)',
+            "with Unhealthy devices",
+        ),
+        (
+            f'count(max by (node, resource) (rdma_dp_pool_nics{{{FLEET},health="Unhealthy"}}) > 0) or vector(0)',
+            "with a NIC down or gone",
+        ),
+        (
+            f"count({PORTS_DOWN} > 0) or vector(0)",
+            "with a selected port not ACTIVE",
+        ),
+    ).description("Counts of nodes, not one line per node: the per-node warnings name them.")
     allocations = series(
         "Allocations",
         8,
-        "node, resource, result",
-        (f"sum by (node, resource, result) (rate(rdma_dp_allocations_total{{{FLEET}}}[$__rate_interval]))", ""),
+        "resource, result",
+        (f"sum by (resource, result) ({rate('rdma_dp_allocations_total', FLEET)})", ""),
     ).unit("reqps")
     latency = (
         series(
-            "Allocate latency (p99)",
+            "Allocate latency, fleet (p50, p99)",
             8,
-            "node, resource",
+            "resource",
             (
-                (
-                    "histogram_quantile(0.99, sum by (le, node, resource) "
-                    f"(rate(rdma_dp_allocate_seconds_bucket{{{FLEET}}}[$__rate_interval])))"
-                ),
-                "",
+                f"histogram_quantile(0.5, sum by (le, resource) ({rate('rdma_dp_allocate_seconds_bucket', FLEET)}))",
+                "p50",
+            ),
+            (
+                f"histogram_quantile(0.99, sum by (le, resource) ({rate('rdma_dp_allocate_seconds_bucket', FLEET)}))",
+                "p99",
             ),
         )
         .description("The plugin creates the histogram at start: empty (NaN) until the first Allocate, never missing.")
         .unit("s")
     )
     churn = series(
-        "Re-registrations and stream ends",
+        "Re-registrations and stream ends, fleet",
         8,
-        "node, resource",
-        (
-            f"sum by (node, resource) (increase(rdma_dp_registrations_total{{{FLEET}}}[$__rate_interval]))",
-            "registrations",
-        ),
-        (f"sum by (node, resource) (increase(rdma_dp_stream_ends_total{{{FLEET}}}[$__rate_interval]))", "stream ends"),
+        "resource",
+        (f"sum by (resource) (increase(rdma_dp_registrations_total{{{FLEET}}}[$__rate_interval]))", "registrations"),
+        (f"sum by (resource) (increase(rdma_dp_stream_ends_total{{{FLEET}}}[$__rate_interval]))", "stream ends"),
     )
+    throughput = series(
+        "RDMA throughput, fleet",
+        8,
+        "",
+        (f"sum(8 * {rate('rdma_dp_port_receive_bytes_total', FLEET)})", "receive"),
+        (f"sum(8 * {rate('rdma_dp_port_transmit_bytes_total', FLEET)})", "transmit"),
+    ).unit("bps")
+    congestion_top = series(
+        "Top 10 nodes by congestion (ECN-marked + CNP sent)",
+        8,
+        "node",
+        (
+            f"topk(10, sum by (node) ({rate('rdma_dp_port_ecn_marked_packets_total', FLEET)}"
+            f" + {rate('rdma_dp_port_cnp_sent_packets_total', FLEET)}))",
+            "",
+        ),
+    ).unit("pps")
+    errors_top = series(
+        "Top 10 nodes by link errors",
+        8,
+        "node",
+        (
+            f"topk(10, sum by (node) ({link_errors(FLEET)}))",
+            "",
+        ),
+    ).description("Symbol, receive, remote physical, link recovery, integrity and overrun errors (RdmaNicPortErrors).")
     node_row = db.Row("Node $node").id(next(panel_id))
     port_states = (
         place(table.Panel(), "Port states", 12, 8)
@@ -251,6 +323,37 @@ def build() -> dict[str, object]:
         "node, loop",
         (f"time() - max by (node, loop) (rdma_dp_loop_last_success_timestamp_seconds{{{NODE}}})", ""),
     ).unit("s")
+    nic_throughput = series(
+        "Throughput per NIC",
+        8,
+        "node, nic",
+        (f"sum by (node, nic) (8 * {rate('rdma_dp_port_receive_bytes_total')})", "receive"),
+        (f"sum by (node, nic) (8 * {rate('rdma_dp_port_transmit_bytes_total')})", "transmit"),
+    ).unit("bps")
+    nic_congestion = series(
+        "Congestion per NIC",
+        8,
+        "node, nic",
+        (f"sum by (node, nic) ({rate('rdma_dp_port_ecn_marked_packets_total')})", "ECN-marked"),
+        (f"sum by (node, nic) ({rate('rdma_dp_port_cnp_sent_packets_total')})", "CNP sent"),
+        (f"sum by (node, nic) ({rate('rdma_dp_port_cnp_handled_packets_total')})", "CNP handled"),
+        (f"sum by (node, nic) ({rate('rdma_dp_port_transmit_wait_ticks_total')})", "transmit wait"),
+    ).description("ECN marks and congestion notifications (RoCE, DCQCN) and transmit wait (InfiniBand credits).")
+    nic_errors = series(
+        "Errors and retransmits per NIC",
+        8,
+        "node, nic",
+        (
+            f"sum by (node, nic) ({link_errors(NODE)})",
+            "link errors",
+        ),
+        (f"sum by (node, nic) ({rate('rdma_dp_port_out_of_sequence_packets_total')})", "out of sequence"),
+        (f"sum by (node, nic) ({rate('rdma_dp_port_local_ack_timeouts_total')})", "ACK timeouts"),
+        (
+            f"sum by (node, nic) (increase(rdma_dp_port_state_changes_total{{{NODE}}}[$__rate_interval]))",
+            "state changes",
+        ),
+    ).description("Lost packets show as out of sequence and ACK timeouts (retransmits); flaps as state changes.")
     dash = (
         db.Dashboard("RDMA device plugin (__RELEASE__)")
         .uid("__UID__")
@@ -277,23 +380,30 @@ def build() -> dict[str, object]:
             .query(f'label_values(rdma_dp_build_info{{{SEL},cluster=~"$cluster"}}, node)')
             .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
             .include_all(True)
+            .all_value(".*")  # not a regex of 2,000 names
             .multi(True)
             .sort(dm.VariableSort.ALPHABETICAL_ASC)
         )
         .with_row(fleet_row)
         .with_panel(fleet_ready)
         .with_panel(readiness)
-        .with_panel(ports_down)
         .with_panel(capacity)
+        .with_panel(degraded)
         .with_panel(allocations)
         .with_panel(latency)
         .with_panel(churn)
+        .with_panel(throughput)
+        .with_panel(congestion_top)
+        .with_panel(errors_top)
         .with_row(node_row)
         .with_panel(port_states)
         .with_panel(nics)
         .with_panel(devices)
         .with_panel(registered)
         .with_panel(loops)
+        .with_panel(nic_throughput)
+        .with_panel(nic_congestion)
+        .with_panel(nic_errors)
     )
     doc: dict[str, object] = json.loads(json.dumps(dash.build(), cls=JSONEncoder))
     return doc

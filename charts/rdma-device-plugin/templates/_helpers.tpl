@@ -158,6 +158,8 @@ The resources whose pools numaPools splits (shared mode): the plugin also advert
 {{/*
 The plugin's config file for one mode. Call with (dict "root" $ "mode" "shared").
 Exactly the shape rdma_device_plugin.config.PluginConfig accepts (version v1, no extra keys).
+pluginVersion: the plugin release this config is written for (appVersion): an older plugin image
+refuses it naming both versions, rather than failing on a key it does not know.
 */}}
 {{- define "rdma-device-plugin.config" -}}
 {{- $v := .root.Values }}
@@ -173,6 +175,7 @@ Exactly the shape rdma_device_plugin.config.PluginConfig accepts (version v1, no
 {{- end }}
 {{- $cfg := dict
       "version" "v1"
+      "pluginVersion" .root.Chart.AppVersion
       "mode" .mode
       "resources" $resources
       "health" $v.health

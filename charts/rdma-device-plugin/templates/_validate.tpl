@@ -60,7 +60,7 @@ check fails.
 {{- $errors = append $errors (printf "admissionPolicy.enabled=true needs admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy (Kubernetes >= 1.30), which this cluster (%s) does not serve; set admissionPolicy.enabled=false (RDMA pods are then not checked for IPC_LOCK/hostNetwork), or render with --kube-version/--api-versions of the real cluster" .Capabilities.KubeVersion.Version) }}
 {{- end }}
 {{- if and $v.metrics.enabled $v.metrics.serviceMonitor.enabled (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "monitoring.coreos.com/v1"))) }}
-{{- $errors = append $errors "metrics.serviceMonitor.enabled=true needs the prometheus-operator API monitoring.coreos.com/v1, which this cluster does not serve; install prometheus-operator first, set metrics.serviceMonitor.enabled=false, or with helm template pass --api-versions monitoring.coreos.com/v1" }}
+{{- $errors = append $errors (printf "metrics.serviceMonitor.enabled=true needs the prometheus-operator API monitoring.coreos.com/v1 (for its %s), which this cluster does not serve; install prometheus-operator first, set metrics.serviceMonitor.enabled=false, or with helm template pass --api-versions monitoring.coreos.com/v1" $v.metrics.serviceMonitor.kind) }}
 {{- end }}
 {{- if and $v.metrics.prometheusRule.enabled (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "monitoring.coreos.com/v1"))) }}
 {{- $errors = append $errors "metrics.prometheusRule.enabled=true needs the prometheus-operator API monitoring.coreos.com/v1, which this cluster does not serve; install prometheus-operator first, set metrics.prometheusRule.enabled=false, or with helm template pass --api-versions monitoring.coreos.com/v1" }}
@@ -120,6 +120,21 @@ check fails.
 {{- $ru := ($v.updateStrategy | default dict).rollingUpdate | default dict }}
 {{- if and (eq ($v.updateStrategy | default dict).type "RollingUpdate") (hasKey $ru "maxUnavailable") (has (toString $ru.maxUnavailable) (list "0" "0%")) (has (toString ($ru.maxSurge | default 0)) (list "0" "0%")) }}
 {{- $errors = append $errors "updateStrategy.rollingUpdate.maxUnavailable is 0 and maxSurge is 0: the rollout could never start (Kubernetes rejects it); use a count or a percentage such as 10%" }}
+{{- end }}
+{{- /* a surge pod runs next to the old one on the same node: with hostNetwork both bind <node IP>:<metrics.port>,
+the new one fails (Address already in use, exit 2) and the rollout never completes */}}
+{{- if and (eq ($v.updateStrategy | default dict).type "RollingUpdate") (or $v.hostNetwork $v.nonHostNetwork.enabled) $v.metrics.enabled (not (has (toString ($ru.maxSurge | default 0)) (list "0" "0%"))) }}
+{{- $errors = append $errors (printf "updateStrategy.rollingUpdate.maxSurge=%v with hostNetwork (hostNetwork=%v, nonHostNetwork.enabled=%v) and metrics.enabled: the surge pod binds the same <node IP>:%v as the running plugin and exits (Address already in use), so the rollout never completes; set maxSurge: 0 and roll with maxUnavailable (e.g. 10%%), or run the plugin in the pod network (hostNetwork=false, nonHostNetwork.enabled=false: metrics bind the pod IP)" $ru.maxSurge $v.hostNetwork $v.nonHostNetwork.enabled $v.metrics.port) }}
+{{- end }}
+
+{{- /* image and config versions: the config carries pluginVersion = appVersion and keys that plugin knows;
+an older image refuses it (or, before 0.2.0, crash-loops on "unknown key"). A tag that is a version is
+checked here; any other tag (dev, latest) is checked by the plugin at start. */}}
+{{- $tag := trimPrefix "v" (toString $v.image.tag) }}
+{{- $appMM := regexFind "^[0-9]+\\.[0-9]+" .Chart.AppVersion }}
+{{- $tagMM := regexFind "^[0-9]+\\.[0-9]+" $tag }}
+{{- if and $tagMM (regexMatch "^[0-9]+\\.[0-9]+\\.[0-9]+" $tag) (semverCompare (printf "<%s.0-0" $appMM) (printf "%s.0" $tagMM)) }}
+{{- $errors = append $errors (printf "image.tag=%s is older than the plugin this chart is made for (appVersion %s: its config has pluginVersion %s and keys a %s.x plugin does not know, which would refuse it or crash-loop); leave image.tag empty (the appVersion), use a %s.x or newer image, or install the chart release whose appVersion is %s.x" $v.image.tag .Chart.AppVersion .Chart.AppVersion $tagMM $appMM $tagMM) }}
 {{- end }}
 
 {{- /* CDI: Allocate then answers with CDI names only; the runtime must apply them or pods get no devices */}}

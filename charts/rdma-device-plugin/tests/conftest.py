@@ -30,6 +30,10 @@ CASES: dict[str, dict[str, Any]] = {
     "policy-off": {"admissionPolicy": {"enabled": False}},
     "policy-warn-audit": {"admissionPolicy": {"validationActions": ["Warn", "Audit"], "failurePolicy": "Ignore"}},
     "metrics": {"metrics": {"enabled": True, "port": 9500, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
+    "service-monitor": {
+        "metrics": {"enabled": True, "serviceMonitor": {"enabled": True, "kind": "ServiceMonitor"}},
+        "resources": {"requests": {"cpu": "0.05", "memory": "64Mi"}, "limits": {"memory": 134217728}},
+    },
     "cdi": {"cdi": {"enabled": True, "runtimeEnabled": True, "kind": "example.com/rdma", "hostDir": "/etc/cdi"}},
     "k3s": {"kubeletDir": "/var/lib/rancher/k3s/agent/kubelet/"},
     "microk8s": {"kubeletDir": "/var/snap/microk8s/common/var/lib/kubelet"},
@@ -98,7 +102,7 @@ VAP_KINDS = [
     "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicyBinding",
     "admissionregistration.k8s.io/v1/ValidatingWebhookConfiguration",
 ]
-MONITORING = ["monitoring.coreos.com/v1", "monitoring.coreos.com/v1/ServiceMonitor"]
+MONITORING = ["monitoring.coreos.com/v1", "monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PodMonitor"]
 CLUSTER_API_VERSIONS = (*VAP_KINDS, *MONITORING)
 
 

@@ -28,6 +28,14 @@ ALERTS = {
     "RdmaNicPortNotActive",
     "RdmaProbeLoopStale",
     "RdmaReregistrationStorm",
+    # issue 31
+    "RdmaPoolPartial",
+    "RdmaKubeletAllocatableMismatch",
+    "RdmaAllocateErrors",
+    "RdmaNicPortFlapping",
+    "RdmaNicPortErrors",
+    "RdmaProbeFailing",
+    "RdmaNicHeldDown",
 }
 ON = {"metrics": {"enabled": True, "prometheusRule": {"enabled": True}, "dashboard": {"enabled": True}}}
 
@@ -110,6 +118,16 @@ BROKEN = {
     "RdmaNicPortNotActive": 'rdma_dp_port_active{job="rdma-rdma-device-plugin-metrics"} == 0',
     "RdmaCapacityZero": 'sum by (node) (rdma_dp_devices{job="rdma-rdma-device-plugin-metrics"}) < 0',
     "RdmaDevicePluginMissing": 'up{job="rdma-rdma-device-plugin-metrics"} == 0',
+    # issue 31: what a rule would be without the window or the kubelet's stream
+    "RdmaNicPortFlapping": (
+        'rdma_dp_port_active{job="rdma-rdma-device-plugin-metrics"} == 0 and on(job, instance, nic) '
+        'rdma_dp_nic_info{job="rdma-rdma-device-plugin-metrics",resource!=""}'
+    ),
+    "RdmaResourceNotRegistered": 'rdma_dp_resource_registered{job="rdma-rdma-device-plugin-metrics"} == 0',
+    "RdmaNicPortErrors": (
+        'sum by (job, instance, node, nic, port) (rate({__name__=~"rdma_dp_port_(symbol_errors|receive_errors)_total",'
+        'job="rdma-rdma-device-plugin-metrics"}[10m])) > 0.1'
+    ),
 }
 
 
@@ -239,15 +257,51 @@ def test_dashboard_fleet_and_node_view() -> None:
     assert rows == ["Fleet", "Node $node"]
     queries = dashboard_queries(doc)
     assert all('job="rdma-rdma-device-plugin-metrics"' in q and 'cluster=~"$cluster"' in q for _, q in queries)
-    assert "__SELECTOR__" not in json.dumps(doc) and "__UID__" not in json.dumps(doc)
+    for placeholder in ("__SELECTOR__", "__UID__", "__RDMA_NODES__", "__RELEASE__"):
+        assert placeholder not in json.dumps(doc)
     titles = {t for t, _ in queries}
-    for want in ("Nodes RDMA-ready", "RDMA readiness by node", "Allocatable vs capacity per node", "Port states", "NICs",
-                 "Allocate latency (p99)"):
+    for want in ("Nodes RDMA-ready", "Nodes not RDMA-ready", "Allocatable vs capacity, fleet", "Port states", "NICs",
+                 "Allocate latency, fleet (p50, p99)", "Throughput per NIC", "Congestion per NIC",
+                 "Errors and retransmits per NIC", "Top 10 nodes by link errors"):
         assert want in titles
     assert [v["name"] for v in doc["templating"]["list"]] == ["datasource", "cluster", "node"]
-    cluster = doc["templating"]["list"][1]
+    cluster, node = doc["templating"]["list"][1:]
     # all clusters by default; ".*" also matches series without a cluster label (one cluster)
     assert cluster["includeAll"] is True and cluster["allValue"] == ".*"
+    # issue 31: "All" nodes is ".*", not a regex of 2,000 names
+    assert node["includeAll"] is True and node["allValue"] == ".*"
+    assert doc["schemaVersion"] >= 41  # Grafana 11.6 / 12
+
+
+def _fleet_panels(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    panels = doc["panels"]
+    node_row = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"].startswith("Node"))
+    return [p for p in panels[1:node_row] if p["type"] != "row"]
+
+
+def test_dashboard_fleet_row_scales_to_2000_nodes() -> None:
+    """Issue 31: the fleet row draws no line per node (aggregates, quantiles, top 10), its table lists only
+    the nodes that are not ready, and the not-ready count comes from kube-state-metrics' RDMA node labels
+    as the alerts do, so a node without a plugin or whose plugin is down counts."""
+    doc = dashboard()
+    for panel in _fleet_panels(doc):
+        for target in panel["targets"]:
+            expr = target["expr"]
+            per_node = re.search(r"by \((?:[^)]*,\s*)?node\b", expr)
+            if panel["type"] == "timeseries" and per_node:
+                assert expr.startswith(("topk(10,", "count(")), (panel["title"], expr)
+            if panel["type"] == "table":
+                assert "unless on(node)" in expr and "kube_node_labels" in expr, (panel["title"], expr)
+    stat_panel = next(p for p in _fleet_panels(doc) if p["title"] == "Nodes RDMA-ready")
+    not_ready = next(t["expr"] for t in stat_panel["targets"] if t["legendFormat"] == "not ready")
+    assert 'kube_node_labels{cluster=~"$cluster",label_feature_node_kubernetes_io_pci_15b3_present="true"}' in not_ready
+    # without kube-state-metrics: the plugin targets, down ones included (up == 0 is not ready)
+    values = {"metrics": {"enabled": True, "dashboard": {"enabled": True},
+                          "prometheusRule": {"kubeStateMetrics": {"enabled": False}}}}
+    stat_panel = next(p for p in _fleet_panels(dashboard(values)) if p["title"] == "Nodes RDMA-ready")
+    not_ready = next(t["expr"] for t in stat_panel["targets"] if t["legendFormat"] == "not ready")
+    assert "kube_node_labels" not in not_ready
+    assert 'group by (node) (up{job="rdma-rdma-device-plugin-metrics",cluster=~"$cluster"})' in not_ready
 
 
 def test_dashboard_panels_have_ids_tables_are_instant_rates_use_rate_interval() -> None:

@@ -100,3 +100,25 @@ def test_liveness_probe_runs_the_plugins_healthcheck_on_the_file_serve_writes(mo
     serve = build_parser().parse_args(container["args"])
     assert probe.command == "healthcheck" and probe.health_file == serve.health_file
     assert serve.health_file.startswith("/dev/shm/")
+
+
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+def test_readiness_probe_is_registered_with_the_kubelet_and_min_ready_seconds_hold_a_bad_rollout(mode: str) -> None:
+    """Issue 31: a pod is Ready only when `healthcheck --ready` passes (every resource registered, the
+    kubelet's stream open: plugin_src/tests/test_readiness.py), on the file serve writes, and the
+    DaemonSet counts it available only after minReadySeconds: a plugin that never registers never
+    becomes available, so the rolling update stops at its first maxUnavailable batch."""
+    ds = daemonsets({})[mode]
+    assert ds["spec"]["minReadySeconds"] == 30
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "10%"
+    container = ds["spec"]["template"]["spec"]["containers"][0]
+    probe = container["readinessProbe"]
+    assert probe["exec"]["command"][0] == "rdma-device-plugin"
+    ready = build_parser().parse_args(probe["exec"]["command"][1:])
+    serve = build_parser().parse_args(container["args"])
+    assert ready.command == "healthcheck" and ready.ready and ready.health_file == serve.health_file
+    live = build_parser().parse_args(container["livenessProbe"]["exec"]["command"][1:])
+    assert not live.ready  # liveness leaves an unregistered plugin running (it may be waiting for the kubelet)
+    # it is checked often enough to turn Ready within seconds of the registration
+    assert probe["periodSeconds"] * probe["failureThreshold"] <= 30 and probe["successThreshold"] == 1
+    assert daemonsets({"minReadySeconds": 90})[mode]["spec"]["minReadySeconds"] == 90

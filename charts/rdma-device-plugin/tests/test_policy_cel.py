@@ -46,7 +46,8 @@ class Policy:
 
     def evaluate(self, pod: dict[str, Any], operation: str = "CREATE", namespace: str = "default",
                  old: Optional[dict[str, Any]] = None) -> Optional[list[str]]:
-        """None when the policy does not apply (a matchCondition is false), else the violation messages."""
+        """None when the policy does not apply (a matchCondition is false), else the violation messages.
+        The API server denies with the first of them only (test_real_cluster.py shows it)."""
         kind = pod.get("kind", "Pod")
         activation: dict[str, Any] = {
             "object": celpy.json_to_cel(pod),
@@ -397,7 +398,8 @@ def test_service_monitor_needs_prometheus_operator() -> None:
     message = _render_error(values, api_versions=tuple(VAP_KINDS))
     assert "metrics.serviceMonitor.enabled=true" in message and "monitoring.coreos.com/v1" in message
     assert "--api-versions monitoring.coreos.com/v1" in message
-    assert by_kind(parse(render_raw(values)), "ServiceMonitor")
+    assert by_kind(parse(render_raw(values)), "PodMonitor")
+    assert "(for its PodMonitor)" in message
 
 
 # ------------------------------------------------------------------ capabilities as containerd applies them

@@ -4,16 +4,17 @@ schemas of every minor the chart supports; lint strictly; check the shape of wha
 from __future__ import annotations
 
 import hashlib
+import tomllib
 
 import helm_python
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import CASES, CHART_DIR, MONITORING, NAMESPACE, VAP_KINDS, by_kind, daemonsets, kube_minor_versions, manifests, one, parse, render, render_raw
+from conftest import CASES, CHART_DIR, MONITORING, NAMESPACE, RELEASE, VAP_KINDS, by_kind, daemonsets, kube_minor_versions, manifests, one, parse, render, render_raw
 
 KUBE_VERSIONS = kube_minor_versions()
 # prometheus-operator CRD: kubernetes-validate has no schema for it (only warns); checked by hand below.
-CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", k) for k in ("ServiceMonitor", "PodMonitor", "PrometheusRule")}
 
 
 def test_kube_versions_cover_declared_range() -> None:
@@ -73,14 +74,44 @@ def test_lint_reports_schema_violation() -> None:
     assert any("mode" in e for e in report["errors"]) or any(m["severity"] >= 2 and "mode" in m["error"] for m in report["messages"])
 
 
-def test_service_monitor_shape() -> None:
+def test_pod_monitor_by_default_scrapes_every_plugin_pod() -> None:
+    """Issue 31: a ServiceMonitor's default discovery role (Endpoints) sees at most 1000 plugins; the
+    default is a PodMonitor, whose targets get the job and node the alerts select."""
     objs = manifests(CASES["metrics"])
+    assert not by_kind(objs, "ServiceMonitor")
+    pm = one(objs, "PodMonitor")
+    assert pm["metadata"]["labels"]["release"] == "prom"
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["interval"] == "30s"
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoint["relabelings"]
+    assert {"targetLabel": "job", "replacement": f"{RELEASE}-rdma-device-plugin-metrics"} in endpoint["relabelings"]
+    for ds in daemonsets(CASES["metrics"]).values():  # it selects the plugin pods of both modes, nothing else
+        pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+        assert set(pm["spec"]["selector"]["matchLabels"].items()) <= set(pod_labels.items())
+    assert pm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "device-plugin"
+
+
+def test_service_monitor_uses_endpoint_slices() -> None:
+    objs = manifests(CASES["service-monitor"])
+    assert not by_kind(objs, "PodMonitor")
+    sm = one(objs, "ServiceMonitor")
+    assert sm["spec"]["serviceDiscoveryRole"] == "EndpointSlice"
+    assert all(r.get("targetLabel") != "job" for r in sm["spec"]["endpoints"][0]["relabelings"])  # the Service's name
+    values = {"metrics": {"enabled": True, "serviceMonitor": {"enabled": True, "kind": "ServiceMonitor",
+                                                              "serviceDiscoveryRole": "Endpoints"}}}
+    assert one(manifests(values), "ServiceMonitor")["spec"]["serviceDiscoveryRole"] == "Endpoints"
+
+
+def test_service_monitor_shape() -> None:
+    objs = manifests(CASES["service-monitor"])
     sm = one(objs, "ServiceMonitor")
     svc = one(objs, "Service", "-metrics")
-    assert sm["metadata"]["labels"]["release"] == "prom"
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
     assert set(sm["spec"]["selector"]["matchLabels"].items()) <= set(svc["metadata"]["labels"].items())
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    objs = manifests(CASES["metrics"])
+    svc = one(objs, "Service", "-metrics")
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["ports"][0]["port"] == 9500
     # the Service selects the plugin pods of both modes
@@ -94,7 +125,7 @@ def test_service_monitor_shape() -> None:
 
 def test_metrics_off_renders_no_service_or_port() -> None:
     objs = manifests({})
-    assert not by_kind(objs, "Service") and not by_kind(objs, "ServiceMonitor")
+    assert not by_kind(objs, "Service") and not by_kind(objs, "ServiceMonitor") and not by_kind(objs, "PodMonitor")
     for ds in daemonsets({}).values():
         container = ds["spec"]["template"]["spec"]["containers"][0]
         assert "ports" not in container and "--metrics-address" not in container["args"]
@@ -218,18 +249,40 @@ def test_everything_case_wiring() -> None:
 
 
 def test_image_tag_defaults_to_app_version() -> None:
+    """One version: the chart's appVersion is the plugin package's (the image role tags the image with it)."""
     chart_yaml = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
-    assert chart_yaml["appVersion"] == "0.1.0" and chart_yaml["version"] == "1.1.0"  # the chart has its own version
+    pyproject = tomllib.loads((CHART_DIR.parents[1] / "plugin_src" / "pyproject.toml").read_text())
+    assert chart_yaml["appVersion"] == pyproject["project"]["version"]
+    assert chart_yaml["version"] != chart_yaml["appVersion"]  # the chart has its own version
     for ds in daemonsets({}).values():
-        assert ds["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.1.0")
+        assert ds["spec"]["template"]["spec"]["containers"][0]["image"].endswith(f":{chart_yaml['appVersion']}")
+    for mode in ("shared", "exclusive"):  # the config says which plugin it is written for
+        cm = one(manifests({}), "ConfigMap", f"-{mode}")
+        assert yaml.safe_load(cm["data"]["config.yaml"])["pluginVersion"] == chart_yaml["appVersion"]
+
+
+@pytest.mark.parametrize("tag", ["0.1.0", "v0.1.9", "0.0.3"])
+def test_an_image_older_than_the_config_is_refused(tag: str) -> None:
+    """Issue 31: chart 1.1.0's config met the 0.1.0 image and it crash-looped on "workloadEnv: unknown key"."""
+    with pytest.raises(helm_python.HelmError) as err:
+        render_raw({"image": {"tag": tag}})
+    assert f"image.tag={tag} is older than the plugin this chart is made for (appVersion 0.2.0" in str(err.value)
+    assert "leave image.tag empty" in str(err.value)
+
+
+@pytest.mark.parametrize("tag", ["0.2.0", "0.2.7", "v0.3.0", "1.0.0", "dev", "latest", "0.2.0-rc.1"])
+def test_an_image_of_this_or_a_newer_version_or_any_name_renders(tag: str) -> None:
+    """A tag that is not a version (dev, latest) is checked by the plugin itself at start (pluginVersion)."""
+    for ds in daemonsets({"image": {"tag": tag}}).values():
+        assert ds["spec"]["template"]["spec"]["containers"][0]["image"].endswith(f":{tag}")
 
 
 def test_image_digest_pins_the_pull_and_keeps_the_tag_label() -> None:
     digest = "sha256:" + "ab" * 32
-    values = {"image": {"repository": "127.0.0.1:5000/rdma-device-plugin", "tag": "0.1.0", "digest": digest}}
+    values = {"image": {"repository": "127.0.0.1:5000/rdma-device-plugin", "tag": "0.2.0", "digest": digest}}
     for ds in daemonsets(values).values():
         assert ds["spec"]["template"]["spec"]["containers"][0]["image"] == f"127.0.0.1:5000/rdma-device-plugin@{digest}"
-        assert ds["metadata"]["labels"]["app.kubernetes.io/version"] == "0.1.0"
+        assert ds["metadata"]["labels"]["app.kubernetes.io/version"] == "0.2.0"
 
 
 # ------------------------------------------------------------------ helm test pod
@@ -243,12 +296,16 @@ def test_helm_test_pod(case: str, host_network: bool) -> None:
     spec = pod["spec"]
     assert spec["hostNetwork"] is host_network
     assert spec["restartPolicy"] == "Never"
+    # it ends (Pending included) and asks for what it uses (issue 31)
+    assert spec["activeDeadlineSeconds"] == 120
     container = spec["containers"][0]
     resource = values.get("resourceName", "rdma/hca")
-    assert container["resources"]["limits"] == {resource: 1}
+    assert container["resources"] == {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "128Mi", resource: 1}}
+    assert {"name": "RDMA_CHECK_MR_MIB", "value": "16"} in container["env"]
+    assert {"name": "RDMA_CHECK_LOOPBACK", "value": "1"} in container["env"]
     assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
     script = container["command"][-1]
-    for needle in ("RDMA_DEVICES", "pyverbs.device", "query_gid_table"):
+    for needle in ("RDMA_DEVICES", "pyverbs.device", "query_gid_table", "pyverbs.mr", "post_send"):
         assert needle in script
 
 

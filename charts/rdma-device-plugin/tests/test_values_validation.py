@@ -206,6 +206,34 @@ def test_max_unavailable_and_surge_both_zero(schemaless_chart: helm_python.Chart
 # ------------------------------------------------------------------ CDI needs the runtime's CDI
 
 
+@pytest.mark.parametrize(
+    "network",
+    [{"hostNetwork": True}, {"nonHostNetwork": {"enabled": True}}],
+    ids=["hostNetwork", "nonHostNetwork"],
+)
+@pytest.mark.parametrize("surge", [1, "10%"])
+def test_surge_with_host_network_metrics_is_refused(network: dict, surge: object) -> None:
+    """Issue 31: the surge pod binds <node IP>:<metrics.port> beside the running plugin, exits 2 (Address
+    already in use) and the rollout never completes: refused, saying what to change."""
+    values = {**network, "metrics": {"enabled": True},
+              "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": surge}}}
+    assert_problems(
+        render_error(values),
+        f"updateStrategy.rollingUpdate.maxSurge={surge} with hostNetwork",
+    )
+    message = render_error(values)
+    assert "set maxSurge: 0 and roll with maxUnavailable" in message and "<node IP>:9410" in message
+
+
+def test_surge_without_the_port_clash_renders() -> None:
+    """In the pod network every pod has its own IP; with hostNetwork but no metrics nothing binds a port
+    (the plugin's sockets hand over between instances)."""
+    surge = {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}}
+    for values in ({**surge, "metrics": {"enabled": True}}, {**surge, "hostNetwork": True}):
+        render(values)
+    render({"hostNetwork": True, "metrics": {"enabled": True}})  # maxSurge 0 (the default)
+
+
 def test_cdi_needs_the_runtime_confirmed() -> None:
     message = render_error({"cdi": {"enabled": True}})
     assert_problems(message, "cdi.enabled=true makes the plugin answer Allocate with CDI device names only")

@@ -5,8 +5,8 @@
 // one request object per line on stdin, exactly one response object per line on stdout. Nothing else
 // is ever written to stdout; klog goes to the -klog file.
 //
-// The protocol is kubelet-dm-serve's (../shared/tools/real-kubelet/README.md, which this replaces)
-// plus a start that joins a cluster (node.go) and the ops that come with it: kube/README.md.
+// The protocol is kubelet-dm-serve's (kube/v1.32, whose v1.32 build this replaces for everything but
+// the 1.28-1.34 re-registration behaviour) plus a start that joins a cluster (node.go): kube/README.md.
 //
 // Built by scripts/kube-build.sh, with overlay/devicemanager/zz_kubelet_managers.go added to the
 // devicemanager package through a go build -overlay.
@@ -1053,6 +1053,8 @@ func main() {
 	klogPath := flag.String("klog", "", "write the kubelet's klog (device manager, Topology Manager, gRPC) to this file (default: discard)")
 	verbosity := flag.Int("v", 4, "klog verbosity")
 	showVersion := flag.Bool("version", false, "print the Kubernetes version and feature gates as one JSON line and exit")
+	startFile := flag.String("start", "", "run the request in this file (a start, with join for a node of a cluster) first; exit 1 if it fails")
+	detach := flag.Bool("detach", false, "read no requests from stdin: run until SIGTERM or SIGINT (with -start: a node in the background)")
 	flag.Parse()
 	if *showVersion {
 		b, _ := json.Marshal(version())
@@ -1102,6 +1104,25 @@ func main() {
 		os.Exit(0)
 	}()
 
+	if *startFile != "" {
+		req, err := os.ReadFile(*startFile)
+		if err == nil {
+			resp, _ := s.handle(bytes.TrimSpace(req))
+			b, _ := json.Marshal(resp)
+			_, _ = proto.Write(append(b, '\n'))
+			if ok, _ := resp["ok"].(bool); !ok {
+				err = fmt.Errorf("%v", resp["error"])
+			}
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "kubelet-managers: -start", *startFile+":", err)
+			s.killAll()
+			os.Exit(1)
+		}
+	}
+	if *detach {
+		select {} // the signal handler stops the kubelet and its containers, then exits
+	}
 	in := bufio.NewReaderSize(os.Stdin, 1<<16)
 	for {
 		line, err := in.ReadBytes('\n')

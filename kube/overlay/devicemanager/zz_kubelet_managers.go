@@ -1,7 +1,7 @@
 // Added to the package k8s.io/kubernetes/pkg/kubelet/cm/devicemanager (the version pinned in
 // kube/go.mod) when kubelet-managers is built: scripts/kube-build.sh adds it with `go build -overlay`,
 // so the module's own source is never modified. Ported from kubelet-dm-serve's file for v1.32.10
-// (../shared/tools/real-kubelet/src), with v1.37's explicit loggers.
+// (kube/v1.32/overlay), with v1.37's explicit loggers.
 //
 // It adds no behaviour to the device manager. It exposes:
 //   - the unexported constructor, so the registration socket can live outside

@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     hc = sub.add_parser("healthcheck", help="exit 0 when the serving process is live (the chart's livenessProbe)")
     hc.add_argument("--health-file", default=_env("HEALTH_FILE", DEFAULT_HEALTH_FILE), help="the file `serve` writes")
+    hc.add_argument(
+        "--ready",
+        action="store_true",
+        help="exit 0 only when also every resource is registered with the kubelet, its stream open "
+        "(the chart's readinessProbe)",
+    )
 
     disc = sub.add_parser("discover", help="print the RDMA NICs found and which resource selects them")
     disc.add_argument("--config", default=None, help="config file whose selectors to apply")
@@ -138,11 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _healthcheck(args: argparse.Namespace) -> int:
-    from .supervision import check_health
+    from .supervision import check_health, check_ready
 
-    problems = check_health(args.health_file)
+    problems = (check_ready if args.ready else check_health)(args.health_file)
     for problem in problems:
-        print(f"rdma-device-plugin: not live: {problem}", file=sys.stderr)
+        print(f"rdma-device-plugin: not {'ready' if args.ready else 'live'}: {problem}", file=sys.stderr)
     return 1 if problems else 0
 
 

@@ -28,6 +28,7 @@ _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-
 _QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _HEX_ID = re.compile(r"^(0x)?[0-9a-fA-F]{4}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_RELEASE = re.compile(r"^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)([-+][0-9A-Za-z.+-]*)?$")
 _CDI_KIND = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$")
 
 
@@ -321,6 +322,13 @@ class PluginConfig(_Strict):
     """Top level of the config file."""
 
     version: Literal["v1"] = Field("v1", description="Config format version.")
+    plugin_version: str | None = Field(
+        None,
+        alias="pluginVersion",
+        pattern=_RELEASE.pattern,
+        description="The plugin version this config was written for (the chart writes its appVersion). A plugin "
+        "of an older major.minor refuses the config and says so, rather than failing on keys it does not know.",
+    )
     mode: Literal["shared", "exclusive"] = Field(
         "shared", description="shared: every pool is N virtual devices; exclusive: one device per NIC."
     )
@@ -440,11 +448,44 @@ def _format(exc: ValidationError, source: str) -> str:
     return f"invalid config {source}:\n" + "\n".join(lines)
 
 
-def load_config_data(data: Any, source: str = "<data>") -> PluginConfig:
+def release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a release version such as 0.2.0; None for anything else (a source tree's
+    0.0.0+unknown counts as unknown too). Patch releases never change the config, so they do not count."""
+    m = _RELEASE.match(version)
+    if m is None or "+unknown" in version:
+        return None
+    return int(m[1]), int(m[2])
+
+
+def _own_version() -> str:
+    from . import __version__
+
+    return str(__version__)
+
+
+def newer_config_problem(written_for: object, running: str, source: str) -> str | None:
+    """Why a config written for a newer plugin (``pluginVersion``) cannot run here, or None."""
+    wanted = release(written_for) if isinstance(written_for, str) else None
+    have = release(running)
+    if wanted is None or have is None or wanted <= have:
+        return None
+    return (
+        f"config {source} was written for rdma-device-plugin {written_for} (pluginVersion, the chart's appVersion) "
+        f"but this plugin is {running}: the image is older than the chart that wrote the config. Run the image the "
+        f"chart names (image.tag empty = its appVersion; pin image.digest, or pullPolicy Always where a tag was "
+        f"pushed again with other content), or install the chart release whose appVersion is {running}"
+    )
+
+
+def load_config_data(data: Any, source: str = "<data>", running: str | None = None) -> PluginConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"invalid config {source}: the top level must be a mapping with version: v1")
+    if "pluginVersion" in data:  # before the keys: a newer config's new keys would only say "unknown key"
+        problem = newer_config_problem(data["pluginVersion"], running or _own_version(), source)
+        if problem:
+            raise ConfigError(problem)
     try:
         return PluginConfig.model_validate(data, by_alias=True)
     except ValidationError as exc:

@@ -4,7 +4,11 @@ A :class:`MetricsHooks` (the server's ``Hooks`` observer) owns its own registry 
 serves it over HTTP with prometheus_client's threaded WSGI server bound to the given
 address only. The metrics, their labels and the alerts built on them are listed in one
 table: docs/operations.md ("Metrics"). Gauges that describe state are read at scrape
-time (pools, NICs, the supervisor's loops), so a scrape never sees a stale copy.
+time (pools, NICs, the supervisor's loops), so a scrape never sees a stale copy. The port map is
+replaced by every probe (it lists every RDMA device on the node), so a NIC that vanished drops out
+of ``rdma_dp_port_*`` and ``rdma_dp_nic_info``; while a pool still holds it (health.vanishGraceSeconds)
+it shows as ``rdma_dp_port_state{state="GONE"}`` and an Unhealthy NIC in ``rdma_dp_pool_nics``. With a
+sysfs root, the NICs' own port counters are exported too, read at scrape time (:mod:`.port_counters`).
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from . import __version__, affinity
+from . import __version__, affinity, port_counters
 from .kubeletapi import HEALTHY, UNHEALTHY
 from .node.sysfs import ACTIVE_STATES, Nic
 from .resources import ResourcePool
@@ -51,8 +55,28 @@ class _StateCollector(Collector):
         yield devices
         active = GaugeMetricFamily("rdma_dp_port_active", "1 when the RDMA port is ACTIVE", labels=["nic", "port"])
         state = GaugeMetricFamily("rdma_dp_port_state", "Current RDMA port state (1)", labels=["nic", "port", "state"])
+        changes = CounterMetricFamily(
+            "rdma_dp_port_state_changes",
+            "Port state changes the plugin observed (probe or link event), for flap alerts over a window",
+            labels=["nic", "port"],
+        )
+        pool_nics = GaugeMetricFamily(
+            "rdma_dp_pool_nics",
+            "NICs a resource's pool holds, by health: a vanished NIC counts Unhealthy until health.vanishGraceSeconds",
+            labels=["resource", "health"],
+        )
         with self.hooks.lock:
             ports = dict(self.hooks.ports)
+            counted = dict(self.hooks.state_changes)
+        gone: set[str] = set()
+        for pool in self.hooks.pools:
+            summary = pool.nic_summary()
+            healthy = sum(1 for n in summary if n["healthy"])
+            pool_nics.add_metric([pool.name, HEALTHY], healthy)
+            pool_nics.add_metric([pool.name, UNHEALTHY], len(summary) - healthy)
+            gone.update(str(n["name"]) for n in summary if not n["present"])
+        for nic in sorted(gone - {n for n, s in ports.items() if s is not None}):
+            ports[nic] = None  # held by a pool, gone from sysfs: marked until the pool lets it go
         for nic, states in sorted(ports.items()):
             if states is None:
                 active.add_metric([nic, "1"], 0)
@@ -61,8 +85,11 @@ class _StateCollector(Collector):
             for i, s in enumerate(states, start=1):
                 active.add_metric([nic, str(i)], 1 if s in ACTIVE_STATES else 0)
                 state.add_metric([nic, str(i), s], 1)
+                changes.add_metric([nic, str(i)], counted.get((nic, i), 0))
         yield active
         yield state
+        yield changes
+        yield pool_nics
         yield from self._nics()
         yield from self._live()
 
@@ -137,11 +164,12 @@ class _StateCollector(Collector):
 
 
 class MetricsHooks(Hooks):
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, sysfs_root: str | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.lock = threading.Lock()
         self.pools: list[ResourcePool] = []
         self.ports: dict[str, tuple[str, ...] | None] = {}
+        self.state_changes: dict[tuple[str, int], int] = {}  # (nic, port) -> changes observed
         self.nics: list[Nic] = []
         self.affinity = affinity.NodeAffinity({}, (), {})
         self.status: Callable[[], LiveStatus] | None = None
@@ -171,6 +199,8 @@ class MetricsHooks(Hooks):
             registry=self.registry,
         )
         self.registry.register(_StateCollector(self))
+        if sysfs_root is not None:
+            self.registry.register(port_counters.PortCountersCollector(sysfs_root, self._present_nics))
         # (resource, ok) -> its counter and histogram children: labels() takes a lock and builds
         # a key at each call, and allocated() runs on the gRPC loop at every Allocate.
         self._allocate_children: dict[tuple[str, bool], tuple[Any, Any]] = {}
@@ -209,8 +239,21 @@ class MetricsHooks(Hooks):
         self.status = status
 
     def port_states(self, states: Mapping[str, tuple[str, ...] | None]) -> None:
+        """Every probe and re-list passes every RDMA device on the node: the map is replaced, so a
+        vanished NIC leaves it; a port whose state differs from the last one seen counts a change."""
         with self.lock:
-            self.ports.update(states)
+            for nic, now in states.items():
+                before = self.ports.get(nic)
+                if now is None or before is None:
+                    continue  # appearing or vanishing is not a port state change
+                for i, (old, new) in enumerate(zip(before, now, strict=False), start=1):
+                    if old != new:
+                        self.state_changes[(nic, i)] = self.state_changes.get((nic, i), 0) + 1
+            self.ports = dict(states)
+
+    def _present_nics(self) -> list[Nic]:
+        with self.lock:
+            return list(self.nics)
 
     def pools_ready(self, pools: Sequence[ResourcePool]) -> None:
         self.pools = list(pools)

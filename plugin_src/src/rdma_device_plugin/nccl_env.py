@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from .config import AF_INET, AF_INET6, PluginConfig
 from .node import gids
-from .node.sysfs import Gid, Nic, Port
+from .node.sysfs import Nic, Port
 
 NCCL_IB_HCA = "NCCL_IB_HCA"
 NCCL_IB_GID_INDEX = "NCCL_IB_GID_INDEX"
@@ -119,22 +119,11 @@ class WorkloadEnv:
     family: str = ""  # the GID family chosen ("" without RoCE ports or when disabled)
 
 
-def _usable(gid: Gid, family: str, version: int, cidr: str) -> bool:
-    """A GID NCCL can connect from: a global address of ``family`` with RoCE ``version``, in ``cidr``."""
-    return (
-        gids.parses(gid.gid)
-        and gids.family(gid.gid) == family
-        and gids.valid(gid.gid)
-        and gids.version_of(gid.type) == version
-        and (not cidr or gids.in_range(gid.gid, family, cidr))
-    )
-
-
 def _pick(port: Port, family: str, settings: EnvSettings) -> PortGid:
     cidr = settings.addr_range if _range_family(settings.addr_range) in (None, family) else ""
     index = gids.nccl_gid_index(port, family, settings.roce_version, cidr or None)
     entry = next((g for g in port.gids if g.index == index), None)
-    suitable = entry is not None and _usable(entry, family, settings.roce_version, cidr)
+    suitable = entry is not None and gids.usable(entry, family, settings.roce_version, cidr)
     return PortGid(port.number, index, suitable, gids.describe(port, index))
 
 
@@ -148,7 +137,7 @@ def nic_facts(nic: Nic, settings: EnvSettings) -> NicFacts:
     """The NIC's ports and NCCL's GID pick on each RoCE port, for both families."""
     roce = [p for p in nic.ports if p.link_layer == "Ethernet"]
     picks = tuple((family, tuple(_pick(p, family, settings) for p in roce)) for family in (AF_INET, AF_INET6))
-    ipv4 = bool(roce) and all(any(_usable(g, AF_INET, settings.roce_version, "") for g in p.gids) for p in roce)
+    ipv4 = bool(roce) and all(any(gids.usable(g, AF_INET, settings.roce_version, "") for g in p.gids) for p in roce)
     return NicFacts(nic.name, tuple(p.number for p in nic.ports), picks if roce else (), ipv4)
 
 

@@ -120,3 +120,25 @@ def check_health(path: str, now: float | None = None) -> list[str]:
         if now - float(since) > UNREGISTERED_GRACE_SECONDS:
             problems.append(f"resource {resource} has not been registered with the kubelet for {now - since:.0f} s")
     return problems
+
+
+def check_ready(path: str, now: float | None = None) -> list[str]:
+    """Why the serving process is not ready (the chart's readinessProbe; empty when it is): not live,
+    or a resource it serves is not registered. Registered is the registration's REGISTERED state:
+    Register answered and the kubelet's ListAndWatch stream open (registration.py), so a plugin
+    that starts but never reaches the kubelet, or whose stream the kubelet ended, is not ready and
+    halts a DaemonSet rollout (with minReadySeconds) before it spreads."""
+    problems = check_health(path, now)
+    if problems:
+        return problems
+    now = time.time() if now is None else now
+    with open(path, encoding="utf-8") as fh:
+        doc = json.load(fh)
+    for resource, since in sorted(doc.get("unregistered_since", {}).items()):
+        problems.append(
+            f"resource {resource} is not registered with the kubelet (its ListAndWatch stream open) "
+            f"since {now - float(since):.0f} s"
+        )
+    if not problems and not doc.get("registered") and not doc.get("stood_down"):
+        problems.append("no resource is registered with the kubelet yet")
+    return problems

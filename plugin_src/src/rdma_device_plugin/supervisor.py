@@ -531,7 +531,7 @@ def serve(args: argparse.Namespace) -> int:
     if metrics_address:
         from .metrics import MetricsHooks
 
-        metrics = MetricsHooks()
+        metrics = MetricsHooks(sysfs_root=args.sysfs_root)  # port counters read from it at scrape time
         try:
             host, port = metrics.serve(metrics_address)
         except (OSError, ValueError) as exc:

@@ -4,7 +4,8 @@
 ``rdma_node_info`` module turns them into report rows and the plugin's start checks into log
 lines. A check names what it looked at (RDMA device, netdev, GPU), says what it saw and, when it
 failed, the fix. A check whose source is missing is *not checked*: it says why, never passes
-silently and does not fail the node (unless the caller asks for that, see ``skipped``).
+silently and does not fail the node (unless the caller asks for that, see ``skipped``). A *warning*
+passes (fails no node) but is reported with its fix: the node works, yet something is off.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Check:
     label: str | None = None  # message prefix; None = "<nic> (<netdev>)" or "GPU <gpu>", "" = none
     gpu: str = ""  # PCI address of the GPU checked, "" when none
     skipped: bool = False  # not checked: the source is missing (``detail`` says why); ``passed`` is True
+    warning: bool = False  # passed, but reported with ``fix`` (the node works; something is off)
 
     @property
     def problem(self) -> str:
@@ -37,11 +39,14 @@ class Check:
 
     @property
     def status(self) -> str:
-        """``passed``, ``failed`` or ``not checked``."""
-        return "not checked" if self.skipped else "passed" if self.passed else "failed"
+        """``passed``, ``warning``, ``failed`` or ``not checked``."""
+        if self.skipped:
+            return "not checked"
+        return ("warning" if self.warning else "passed") if self.passed else "failed"
 
     def message(self) -> str:
-        """``<nic> (<netdev>): <detail>``, ``not checked: <why>`` when skipped, plus ``. Fix: <fix>`` when failed."""
+        """``<nic> (<netdev>): <detail>``, ``not checked: <why>`` when skipped, plus ``. Fix: <fix>`` when
+        failed or a warning."""
         label = self.label
         if label is None:
             if self.gpu:
@@ -50,7 +55,7 @@ class Check:
                 label = f"{self.nic} ({self.netdev})" if self.nic and self.netdev else self.nic or self.netdev
         detail = f"not checked: {self.detail}" if self.skipped else self.detail
         text = f"{label}: {detail}" if label else detail
-        return text if self.passed else f"{text}. Fix: {self.fix}"
+        return f"{text}. Fix: {self.fix}" if not self.passed or self.warning else text
 
     def to_dict(self) -> dict[str, object]:
         """Plain data for JSON output and Ansible facts (``nic``, ``netdev`` and ``gpu`` null when none)."""
@@ -61,6 +66,7 @@ class Check:
             "gpu": self.gpu or None,
             "passed": self.passed,
             "skipped": self.skipped,
+            "warning": self.warning,
             "problem": self.problem,
             "fix": self.fix,
             "message": self.message(),
@@ -87,6 +93,11 @@ def strict(check: Check, fix: str) -> Check:
         label=check.label,
         gpu=check.gpu,
     )
+
+
+def warning(name: str, nic: str, detail: str, fix: str, label: str | None = None) -> Check:
+    """A finding that fails no node but is reported with its fix."""
+    return Check(name, nic, "", True, detail, fix, label=label, warning=True)
 
 
 def same_across_nics(

@@ -14,6 +14,17 @@ switch upstream port -> downstream ports -> GPUs and NIC, link speed and width o
 NVIDIA GPUs, netdev MTU/operstate/carrier, Linux bonds (sysfs ``bonding/`` and
 ``/proc/net/bonding/<bond>``), MLNX_OFED's ``qos/trust`` and ``ecn/`` files, port counters, the
 NVIDIA driver and peer-memory modules, and the container runtime's process limits and unit.
+SR-IOV VFs are PCI functions beside their PF (``physfn`` and ``virtfnN`` links, drivers/pci/iov.c)
+whose link status reads ``Unknown``/0 as on a node (a VF's Link Status is reserved by the SR-IOV
+specification); a VF bound to mlx5_core on the host gets an RDMA device and a netdev, one in a pod's
+netns an RDMA device whose GIDs name the pod's netdev (``net1``), which the host does not have.
+
+The node shapes a validation must pass or fail as expected (:data:`SHAPES`): a Lingjun node (4 RoCE
+LAG pairs, 8 GPUs), a DGX H100-style node (8 x ConnectX-7 InfiniBand + 2 Ethernet storage ports),
+a ConnectX-6 Dx RoCE LAG in active-backup, PFs with host- and pod-bound VFs, GPUs all on NUMA node
+0, IPv4-only RoCE, one extra IPv6 address on one NIC, and a Grace-style layout (every device under
+a root port of its own, no PCIe switch).
+
 Where the fixture still differs from a node: DCB (PFC) lives in the kernel, not in files, so it
 is read only from a real node; counters do not move unless :meth:`FixtureNode.bump_counter` /
 :meth:`FixtureNode.flap_netdev` move them.
@@ -25,7 +36,7 @@ import ipaddress
 import json
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -85,6 +96,9 @@ LACP_IN_SYNC = 0x3D  # activity, aggregation, sync, collecting, distributing (sl
 LACP_DEFAULTED = 0x41  # activity, defaulted: no LACPDU from the partner
 ROOT_PORT_ID = ("8086", "352a")
 SWITCH_PORT_ID = ("1000", "c030")
+GEN4 = "16.0 GT/s PCIe"
+VF_DEVICE_ID = "101e"  # ConnectX Family mlx5Gen Virtual Function
+POD_NETDEV = "net1"  # a VF's netdev inside a pod's netns (Multus' default name)
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,10 @@ class NicSpec:
     ecn: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 7)  # priorities with RoCE ECN on (np and rp)
     ecn_sysfs: bool = True  # False: no ecn/ directory (upstream mlx5)
     counters: Mapping[str, int] = field(default_factory=dict)  # port counters that are not 0
+    ipv6_first: bool = False  # the IPv6 addresses were configured first: their GIDs precede the IPv4 ones
+    vfs: int = 0  # SR-IOV VFs enabled on the (first) PF
+    vf_rdma: tuple[str, ...] = ()  # RDMA devices of VFs 0, 1, ... bound to mlx5_core (idle: netdev down)
+    vf_in_pod: tuple[str, ...] = ()  # those of vf_rdma whose netdev is in a pod's netns (in use)
 
     @property
     def ip_netdev(self) -> str:
@@ -181,6 +199,7 @@ class NodeSpec:
     runtime: str = "containerd"  # containerd | dockerd | crio | "" (none installed)
     runtime_memlock: str = "unlimited"  # its Max locked memory ("unlimited" or bytes); "" = not running
     unit_memlock: str = "infinity"  # LimitMEMLOCK= of its drop-in; "" = no drop-in (systemd's default)
+    pcie_bridge_width: Mapping[str, int] = field(default_factory=dict)  # bridge address -> current_link_width
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NodeSpec:
@@ -195,6 +214,8 @@ class NodeSpec:
                 kwargs[key] = _specs_from_dicts(NicSpec, key, value)
             elif key == "gpus":
                 kwargs[key] = _specs_from_dicts(GpuSpec, key, value)
+            elif key == "pcie_bridge_width":
+                kwargs[key] = dict(value)
             else:
                 kwargs[key] = tuple(value) if isinstance(value, list) else value
         return cls(**kwargs)
@@ -281,6 +302,123 @@ def lingjun_node(
             )
         )
     return NodeSpec(nics=tuple(specs), gpus=tuple(gpus), nvidia_driver="535.161.08", nvidia_peermem=True)
+
+
+def dgx_h100_node() -> NodeSpec:
+    """A DGX H100-style node: 8 x ConnectX-7 InfiniBand (NDR, one per GPU under its PCIe switch,
+    IPoIB netdevs) for compute, and 2 ConnectX-7 Ethernet storage ports at MTU 1500 with trust pcp
+    (the storage network's settings, not RoCE compute ones), each under a root port of its own."""
+    base = lingjun_node(nics=8, bond=False, link_layer="InfiniBand", ipv6=False, gpus_per_nic=1)
+    compute = tuple(
+        replace(n, netdevs=(f"ibp{int(n.pci_address.split(':')[1], 16)}s0",), ipv4=(), rate="400 Gb/sec (4X NDR)")
+        for n in base.nics
+    )
+    storage = tuple(
+        NicSpec(
+            name=f"mlx5_{8 + k}",
+            pci_address=f"0000:{0xA0 + 0x10 * k:02x}:00.0",
+            uverbs=8 + k,
+            netdevs=(f"enp{0xA0 + 0x10 * k}s0np0",),
+            numa_node=k,
+            rate="200 Gb/sec (4X HDR)",
+            ipv4=(f"192.168.100.{11 + k}",),
+            pcie_path=(f"pci0000:{0x9D + 0x10 * k:02x}", f"0000:{0x9D + 0x10 * k:02x}:01.0"),
+            mtu=1500,
+            trust="pcp",
+        )
+        for k in range(2)
+    )
+    return replace(base, nics=compute + storage)
+
+
+def roce_lag_active_backup_node(nics: int = 2) -> NodeSpec:
+    """ConnectX-6 Dx (PCIe Gen4) RoCE LAG pairs in active-backup mode, IPv4 RoCE."""
+    base = lingjun_node(nics=nics, ipv6=False)
+    changed = tuple(
+        replace(
+            n,
+            device_id="101d",
+            hca_type="MT4125",
+            fw_ver="22.39.1002",
+            bond_mode="active-backup",
+            rate="100 Gb/sec (4X EDR)",
+            ipv4=(f"10.{i}.0.11",),
+            pcie_speed=GEN4,
+            pcie_max_speed=GEN4,
+        )
+        for i, n in enumerate(base.nics)
+    )
+    return replace(base, nics=changed)
+
+
+def sriov_node() -> NodeSpec:
+    """Two plain RoCE PFs with 8 VFs each: on each PF, VF 0 bound to mlx5_core on the host and idle
+    (netdev down, port DOWN), VF 1 in a pod's netns (its GIDs on the pod's netdev)."""
+    base = lingjun_node(nics=2, bond=False)
+    vfs = (("mlx5_2", "mlx5_3"), ("mlx5_4", "mlx5_5"))
+    changed = tuple(
+        replace(n, ipv4=(f"10.{i}.0.11",), vfs=8, vf_rdma=vfs[i], vf_in_pod=vfs[i][1:]) for i, n in enumerate(base.nics)
+    )
+    return replace(base, nics=changed)
+
+
+def numa0_gpus_node() -> NodeSpec:
+    """The Lingjun node with every GPU on NUMA node 0 (the NICs on 0 and 1): each GPU still shares
+    its PCIe switch with a NIC."""
+    base = lingjun_node()
+    return replace(base, gpus=tuple(replace(g, numa_node=0) for g in base.gpus))
+
+
+def ipv4_roce_node(extra_ipv6: bool = False) -> NodeSpec:
+    """4 RoCE LAG pairs with an IPv4 address each (no IPv6). ``extra_ipv6``: one NIC (mlx5_bond_1) also
+    has an IPv6 address, configured first, which moves its IPv4 RoCE v2 GID from index 3 to 5."""
+    base = lingjun_node(ipv6=False)
+    nics = [replace(n, ipv4=(f"10.0.{i}.11",)) for i, n in enumerate(base.nics)]
+    if extra_ipv6:
+        nics[1] = replace(nics[1], ipv6=("2001:db8:1::11/64",), ipv6_first=True)
+    return replace(base, nics=tuple(nics))
+
+
+def grace_node() -> NodeSpec:
+    """A Grace-style layout (GB200 compute tray): 2 NUMA nodes, each with 2 ConnectX-7 RoCE NICs and 2
+    GPUs, every device under a root port of its own in a PCI domain of its own (no PCIe switch): GPUs
+    and NICs meet at the NUMA level only."""
+    nics, gpus = [], []
+    for i in range(4):
+        dom = 2 * i
+        nics.append(
+            NicSpec(
+                name=f"mlx5_{i}",
+                pci_address=f"{dom:04x}:01:00.0",
+                uverbs=i,
+                netdevs=(f"enP{dom}p1s0f0np0",),
+                numa_node=i // 2,
+                ipv4=(f"10.{i}.0.11",),
+                pcie_path=(f"pci{dom:04x}:00", f"{dom:04x}:00:00.0"),
+            )
+        )
+        gpus.append(
+            GpuSpec(
+                address=f"{dom + 1:04x}:01:00.0",
+                numa_node=i // 2,
+                device_id="2941",
+                pcie_path=(f"pci{dom + 1:04x}:00", f"{dom + 1:04x}:00:00.0"),
+            )
+        )
+    return NodeSpec(nics=tuple(nics), gpus=tuple(gpus), nvidia_driver="570.124.06", nvidia_peermem=True)
+
+
+# The node shapes a validation must get right, by name (the tests pair each with its expected verdict).
+SHAPES: Mapping[str, Callable[[], NodeSpec]] = {
+    "lingjun": lingjun_node,
+    "dgx-h100": dgx_h100_node,
+    "roce-lag-active-backup": roce_lag_active_backup_node,
+    "sriov": sriov_node,
+    "numa0-gpus": numa0_gpus_node,
+    "ipv4-roce": ipv4_roce_node,
+    "ipv4-roce-extra-ipv6": lambda: ipv4_roce_node(extra_ipv6=True),
+    "grace": grace_node,
+}
 
 
 # --------------------------------------------------------------------------- writing
@@ -515,28 +653,32 @@ class FixtureNode:
         eui = [*octets[:3], 0xFF, 0xFE, *octets[3:]]
         return ipaddress.IPv6Address(bytes([0xFE, 0x80] + [0] * 6 + eui)).exploded
 
-    def _gids(self, port_dir: str, nic: NicSpec, mac: str) -> None:
-        entries: list[tuple[str, str]] = []
-        if nic.link_layer == "Ethernet":
-            ll = self._link_local_gid(mac)
-            entries += [(ll, "IB/RoCE v1"), (ll, "RoCE v2")]
-            for v4 in nic.ipv4:
-                gid = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ipaddress.IPv4Address(v4).packed).exploded
-                entries += [(gid, "IB/RoCE v1"), (gid, "RoCE v2")]
-            for addr in nic.ipv6:
-                gid = ipaddress.IPv6Interface(addr).ip.exploded
-                entries.append((gid, "IB/RoCE v1"))
-                if nic.roce_v2_ipv6_gid:
-                    entries.append((gid, "RoCE v2"))
-        else:
+    def _gid_entries(self, nic: NicSpec, mac: str) -> list[tuple[str, str]]:
+        """The port's GID table as the kernel fills it: the link-local GIDs, then one (v1, v2) pair per
+        address in the order the addresses were configured (roce_gid_mgmt.c adds them as they come)."""
+        if nic.link_layer != "Ethernet":
             guid = nic.node_guid or "b8ce:f603:00a1:2b3c"
-            entries.append((f"fe80:0000:0000:0000:{guid}", "IB/RoCE v1"))
+            return [(f"fe80:0000:0000:0000:{guid}", "IB/RoCE v1")]
+        ll = self._link_local_gid(mac)
+        v4: list[tuple[str, str]] = []
+        for address in nic.ipv4:
+            gid = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ipaddress.IPv4Address(address).packed).exploded
+            v4 += [(gid, "IB/RoCE v1"), (gid, "RoCE v2")]
+        v6: list[tuple[str, str]] = []
+        for cidr in nic.ipv6:
+            gid = ipaddress.IPv6Interface(cidr).ip.exploded
+            v6.append((gid, "IB/RoCE v1"))
+            if nic.roce_v2_ipv6_gid:
+                v6.append((gid, "RoCE v2"))
+        return [(ll, "IB/RoCE v1"), (ll, "RoCE v2"), *(v6 + v4 if nic.ipv6_first else v4 + v6)]
+
+    def _gids(self, port_dir: str, link_layer: str, entries: list[tuple[str, str]], ndev: str) -> None:
         for i in range(max(len(entries), 4)):
             gid, gtype = entries[i] if i < len(entries) else ("0000:" * 7 + "0000", "")
             self._write(os.path.join(port_dir, "gids", str(i)), gid)
-            if nic.link_layer == "Ethernet":
+            if link_layer == "Ethernet":
                 self._write(os.path.join(port_dir, "gid_attrs", "types", str(i)), gtype)
-                self._write(os.path.join(port_dir, "gid_attrs", "ndevs", str(i)), nic.ip_netdev if gtype else "")
+                self._write(os.path.join(port_dir, "gid_attrs", "ndevs", str(i)), ndev if gtype else "")
 
     def add_nic(self, nic: NicSpec) -> None:
         mac = self._mac(nic)
@@ -572,7 +714,7 @@ class FixtureNode:
             self._write(os.path.join(pdir, "rate"), nic.rate)
             self._write(os.path.join(pdir, "phys_state"), f"{_PHYS_CODES.get(nic.phys_state, 3)}: {nic.phys_state}")
             self._write(os.path.join(pdir, "state"), f"{_STATE_CODES.get(nic.port_state, 1)}: {nic.port_state}")
-            self._gids(pdir, nic, mac)
+            self._gids(pdir, nic.link_layer, self._gid_entries(nic, mac), nic.ip_netdev)
             self._counters(pdir, nic)
         self._symlink(os.path.join(self.sysfs, "class", "infiniband", nic.name), ib)
         # Char devices: sysfs class entries with ibdev files, and nodes under dev/.
@@ -586,6 +728,62 @@ class FixtureNode:
         # IPv6 on the IP netdev.
         for addr in nic.ipv6:
             self._add_inet6(nic.ip_netdev, addr)
+        for k in range(nic.vfs):
+            self._add_vf(nic, pci_dirs[0], k)
+
+    @staticmethod
+    def vf_address(pf: str, k: int) -> str:
+        """VF k of the PF at ``pf``: functions 2, 3, ... after the two PFs (then the next device numbers)."""
+        head, _, devfn = pf.rpartition(":")
+        slot = int(devfn.split(".")[0], 16) * 8 + 2 + k
+        return f"{head}:{slot // 8:02x}.{slot % 8}"
+
+    def _add_vf(self, nic: NicSpec, pf_dir: str, k: int) -> None:
+        """VF k beside its PF (drivers/pci/iov.c links), its link status reserved: Unknown/0; with an
+        RDMA device when ``vf_rdma`` names one: idle on the host (netdev down, port DOWN) or in a pod
+        (port ACTIVE, its GIDs on the pod's netdev)."""
+        address = self.vf_address(nic.pci_address, k)
+        vf_dir = os.path.join(os.path.dirname(pf_dir), address)
+        link = ("Unknown", 0, nic.pcie_max_speed, nic.pcie_max_width)
+        self._pci_attrs(vf_dir, nic.vendor, VF_DEVICE_ID, "020000", nic.numa_node, link)
+        self._bind(vf_dir, nic.driver or "mlx5_core")
+        self._symlink(os.path.join(vf_dir, "physfn"), pf_dir)
+        self._symlink(os.path.join(pf_dir, f"virtfn{k}"), vf_dir)
+        self._write(os.path.join(pf_dir, "sriov_totalvfs"), "16")
+        self._write(os.path.join(pf_dir, "sriov_numvfs"), str(nic.vfs))
+        if k >= len(nic.vf_rdma):
+            return
+        name = nic.vf_rdma[k]
+        in_pod = name in nic.vf_in_pod
+        bus = int(nic.pci_address.split(":")[1], 16)
+        mac = f"02:ce:f6:{bus:02x}:{k:02x}:01"
+        ndev = POD_NETDEV
+        if not in_pod:
+            ndev = f"{nic.netdevs[0]}v{k}"
+            self._netdev(ndev, vf_dir, mac, 1500, up=False)
+        vf = replace(nic, name=name, pci_address=address, netdevs=(ndev,), bond="", counters={})
+        ib = os.path.join(vf_dir, "infiniband", name)
+        self._symlink(os.path.join(ib, "device"), vf_dir)
+        self._write(os.path.join(ib, "node_guid"), f"b8ce:f603:{bus:02x}{k:02x}:0001")
+        self._write(os.path.join(ib, "fw_ver"), nic.fw_ver)
+        self._write(os.path.join(ib, "hca_type"), nic.hca_type)
+        state, phys = ("ACTIVE", "LinkUp") if in_pod else ("DOWN", "Disabled")
+        pdir = os.path.join(ib, "ports", "1")
+        self._write(os.path.join(pdir, "link_layer"), nic.link_layer)
+        self._write(os.path.join(pdir, "rate"), nic.rate)
+        self._write(os.path.join(pdir, "phys_state"), f"{_PHYS_CODES[phys]}: {phys}")
+        self._write(os.path.join(pdir, "state"), f"{_STATE_CODES[state]}: {state}")
+        pod_addresses = {"ipv4": (f"172.16.{bus}.{k + 10}",), "ipv6": (f"2408:4005:3ff:{bus:x}::{k + 10}/64",)}
+        self._gids(
+            pdir,
+            nic.link_layer,
+            self._gid_entries(replace(vf, **(pod_addresses if in_pod else {"ipv4": (), "ipv6": ()})), mac),
+            ndev,
+        )
+        self._counters(pdir, vf)
+        self._symlink(os.path.join(self.sysfs, "class", "infiniband", name), ib)
+        index = 64 + len(os.listdir(os.path.join(self.sysfs, "class", "infiniband_verbs")))
+        self._char(vf_dir, "infiniband_verbs", f"uverbs{index}", name, None, 192 + index)
 
     def _char(self, pci: str, klass: str, name: str, ibdev: str, port: int | None, minor: int) -> None:
         cdir = os.path.join(pci, klass, name)
@@ -681,6 +879,11 @@ class FixtureNode:
             self.add_nic(nic)
         for gpu in spec.gpus:
             self.add_gpu(gpu)
+        for bridge, width in spec.pcie_bridge_width.items():
+            where = os.path.join(self.sysfs, "bus", "pci", "devices", bridge)
+            if not os.path.isdir(where):
+                raise KeyError(f"pcie_bridge_width: no PCI function {bridge} on the node")
+            self._write(os.path.join(where, "current_link_width"), str(width))
         self._write_numa_nodes(spec)
         self._write_host(spec)
         self._write_ipv6_conf(spec)
@@ -781,11 +984,18 @@ def with_nic_changes(spec: NodeSpec, name: str, **changes: Any) -> NodeSpec:
 
 __all__ = [
     "DEFAULT_MODULES",
+    "SHAPES",
     "FixtureNode",
     "GpuSpec",
     "NicSpec",
     "NodeSpec",
+    "dgx_h100_node",
+    "grace_node",
+    "ipv4_roce_node",
     "lingjun_node",
+    "numa0_gpus_node",
+    "roce_lag_active_backup_node",
+    "sriov_node",
     "with_nic_changes",
     "write_node",
 ]

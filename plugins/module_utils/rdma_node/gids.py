@@ -20,9 +20,9 @@ Empty table entries are all-zero GIDs whose type NCCL cannot read (version -1), 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from .sysfs import ZERO_GID, Port
+from .sysfs import ZERO_GID, Gid, Port
 
 AF_INET = "AF_INET"
 AF_INET6 = "AF_INET6"
@@ -129,6 +129,42 @@ def _update(
     if (version != cand_version or not valid(gid)) and cand_version == roce_version:
         return candidate
     return pick
+
+
+def usable(gid: Gid, want_family: str, version: int = ROCE_VERSION, cidr: str = "") -> bool:
+    """A GID NCCL can connect from: a valid (configured, not link-local) address of ``want_family``
+    with RoCE ``version``, in ``cidr`` when given."""
+    return (
+        parses(gid.gid)
+        and family(gid.gid) == want_family
+        and valid(gid.gid)
+        and version_of(gid.type) == version
+        and (not cidr or in_range(gid.gid, want_family, cidr))
+    )
+
+
+def auto_family(ports: list[Port], version: int = ROCE_VERSION) -> str:
+    """The family the plugin's ``workloadEnv.addrFamily: auto`` gives hostNetwork pods (nccl_env.gid_family):
+    AF_INET when every RoCE port has an IPv4 RoCE v2 GID (NCCL's own default works), else AF_INET6."""
+    roce = [p for p in ports if p.link_layer == "Ethernet"]
+    ipv4 = bool(roce) and all(any(usable(g, AF_INET, version) for g in p.gids) for p in roce)
+    return AF_INET if ipv4 else AF_INET6
+
+
+def address(gid: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """The address a GID carries: the IPv4 address of an IPv4-mapped GID, else the GID itself."""
+    raw = ipaddress.IPv6Address(gid)
+    return raw.ipv4_mapped or raw
+
+
+def on_networks(gid: str, networks: Sequence[str]) -> bool:
+    """The GID's address is in one of ``networks`` (CIDRs of either family)."""
+    found = address(gid)
+    return any(
+        found in net
+        for net in (ipaddress.ip_network(c, strict=False) for c in networks)
+        if net.version == found.version
+    )
 
 
 def describe(port: Port, index: int) -> str:

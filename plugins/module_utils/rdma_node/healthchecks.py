@@ -11,11 +11,14 @@ out by name. The ``rdma_node_info`` module runs them beside :mod:`.nicchecks` an
 =====================  ======  ==================================================================
 name                   scope   passes when (source of the threshold)
 =====================  ======  ==================================================================
-``pcie_link``          NIC     each PCI device of the NIC trained to its expected speed and width,
-                               the lower of its own and its port's maxima (OCI GPU health checks:
+``pcie_link``          NIC     each PCI device of the NIC, and each link above it up to the root
+                               port (switch uplinks), trained to its expected speed and width: the
+                               lower of its own and its port's maxima (OCI GPU health checks:
                                "PCIe width missing lanes", any lane missing fails)
-``gpu_pcie_link``      GPU     each NVIDIA GPU trained to its expected width; speed is reported,
-                               not failed: idle GPUs lower it (OCI ``check_gpu_pcie``: x16)
+``gpu_pcie_link``      GPU     each NVIDIA GPU (and the links above it no NIC shares) trained to
+                               its expected width; speed is reported, not failed: an idle GPU
+                               lowers it, so speed is only meaningful under load (OCI
+                               ``check_gpu_pcie``: x16)
 ``mtu``                NIC     the RoCE netdevs have ``mtu`` (when given) and the RoCE active MTU,
                                derived as the kernel does (``iboe_get_mtu``: netdev MTU minus 96
                                bytes of headers) or read by libibverbs, is ``roce_mtu`` (4096: a
@@ -33,15 +36,24 @@ name                   scope   passes when (source of the threshold)
                                on priority 3, Spectrum-X RA ``00010000``), read over DCB netlink
 ``roce_ecn``           netdev  RoCE ECN is on for ``pfc_priority`` at the notification and reaction
                                points (nic-configuration-operator: ``ROCE_CC_PRIO_MASK=255``)
-``port_counters``      NIC     no port counter is above its ``counter_max`` (default: any
-                               ``excessive_buffer_overrun_errors`` or ``local_link_integrity_errors``
-                               fails, the counters NVIDIA's NVSentinel NIC monitor treats as fatal)
+``port_counters``      NIC     judged by growth, never by lifetime totals (the counters live in
+                               the HCA and saturate, :mod:`.portcounters`): no ``counter_watch``
+                               counter grows within ``counter_interval`` seconds of this read (a
+                               link taking errors now), and no ``counter_max`` counter grew more
+                               than its limit since the values the previous run stored for the
+                               node (``baseline``; default any growth of the 4-bit
+                               ``excessive_buffer_overrun_errors`` / ``local_link_integrity_errors``,
+                               the counters NVIDIA's NVSentinel NIC monitor treats as fatal). A
+                               counter at its maximum is reported not checked (reset it)
 ``link_flap``          NIC     ``link_downed`` and the netdevs' ``carrier_changes`` do not grow
                                within ``counter_interval`` seconds (Azure ``check_ib_link_flapping``
                                and OCI ``RdmaLinkFlapping`` fail on link-down events; they read the
                                kernel log, this read watches the counters)
-``gid_index``          node    NCCL picks the same GID index on every RoCE NIC (NCCL's own choice,
-                               :mod:`.gids`)
+``gid_index``          NIC     with ``NCCL_IB_GID_INDEX`` pinned (``nccl_gid_index``), the GID at
+                               that index is a RoCE v2 GID of the NCCL address family on every RoCE
+                               NIC; else the GID NCCL picks per NIC (``ncclIbGetGidIndex``, :mod:`.gids`)
+                               is one, on the compute network when ``compute_networks`` is given.
+                               Different indexes across NICs are fine then: NCCL picks per device
 ``gpu_nic_numa``       GPU     the GPU has an RDMA NIC on its NUMA node (Azure
                                ``check_hw_topology``: devices on their expected NUMA nodes)
 ``topology``           NIC     the GPUs that share the NIC's PCIe switch are ``topology_expected``
@@ -50,8 +62,10 @@ name                   scope   passes when (source of the threshold)
                                NVIDIA open modules R515+) (Azure ``azure_gdr_detect.nhc``); only
                                with ``gpudirect_required``
 ``memlock``            node    the container runtime (running process and its unit) has an
-                               unlimited RLIMIT_MEMLOCK (AWS GPU health checks warn below 16 GiB;
-                               RDMA pods need unlimited)
+                               unlimited RLIMIT_MEMLOCK (AWS GPU health checks warn below 16 GiB).
+                               A warning when RDMA pods run with CAP_IPC_LOCK (``ipc_lock``, the
+                               chart's admission policy requires it): ``ib_umem_get`` enforces the
+                               limit only for callers without it; a failure when they would not
 ``perftest``           NIC     ``ib_write_bw`` loopback reaches ``perftest_min_percent`` of the
                                port rate (Azure ``check_ib_bw_*``: 375 of 400 Gb/s NDR, 185 of
                                200 Gb/s HDR, i.e. 92.5-93.75 %); only with ``perftest``
@@ -61,13 +75,16 @@ name                   scope   passes when (source of the threshold)
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from . import dcb, gids, gpudirect, lossless, memlock, netdev, pcie, perftest, portcounters, sysfs, text, topology
-from .checks import Check, same_across_nics, skipped, strict
+from . import gids, gpudirect, lossless, memlock, netdev, pcie, portcounters, sysfs, text, topology
+from .checks import Check, same_across_nics, skipped, strict, warning
+
+if TYPE_CHECKING:  # imported where used: DCB netlink on real nodes only, perftest only when asked
+    from . import dcb, perftest
 
 PCIE_LINK = "pcie_link"
 GPU_PCIE_LINK = "gpu_pcie_link"
@@ -112,6 +129,17 @@ ROCE_MTUS = (256, 512, 1024, 2048, 4096)
 # IB_GRH_BYTES + IB_UDP_BYTES + IB_BTH_BYTES + IB_EXT_XRC_BYTES + IB_EXT_ATOMICETH_BYTES + IB_ICRC_BYTES
 ROCE_HEADERS = 40 + 8 + 12 + 4 + 28 + 4
 DEFAULT_COUNTER_MAX: Mapping[str, int] = {"excessive_buffer_overrun_errors": 0, "local_link_integrity_errors": 0}
+# Counters whose growth within one read fails the NIC: a link taking errors now (link_downed is link_flap's).
+DEFAULT_COUNTER_WATCH = (
+    "symbol_error",
+    "link_error_recovery",
+    "port_rcv_errors",
+    "port_rcv_remote_physical_errors",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+)
+DEFAULT_COUNTER_INTERVAL = 3.0
+AUTO = "auto"
 TRUST_MODES = ("dscp", "pcp")
 BOND_MODES = netdev.MODES
 MAX_INTERVAL = 60.0
@@ -133,9 +161,15 @@ class Expectations:
     bond_mode: str | None = None
     roce_trust: str = "dscp"
     pfc_priority: int = 3
-    counter_max: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_COUNTER_MAX))
-    counter_interval: float = 0.0
-    nccl_addr_family: str = gids.AF_INET
+    counter_max: Mapping[str, int] = field(
+        default_factory=lambda: dict(DEFAULT_COUNTER_MAX)
+    )  # growth since the baseline
+    counter_watch: tuple[str, ...] = DEFAULT_COUNTER_WATCH  # no growth within counter_interval
+    counter_interval: float = DEFAULT_COUNTER_INTERVAL
+    nccl_addr_family: str = AUTO  # AUTO: as the plugin's workloadEnv (AF_INET where every NIC has it)
+    nccl_gid_index: int | None = None  # NCCL_IB_GID_INDEX when the deployment pins it
+    compute_networks: tuple[str, ...] = ()  # the GID NCCL uses must be on one (when given)
+    ipc_lock: bool = True  # RDMA pods run with CAP_IPC_LOCK (the chart's admission policy requires it)
     topology_expected: Mapping[str, Sequence[str]] | None = None
     gpudirect_required: bool = False
     perftest: bool = False
@@ -164,8 +198,10 @@ class Expectations:
                 raise bad(f"counter_max.{name}", limit, "a count of 0 or more")
         if not 0 <= self.counter_interval <= MAX_INTERVAL:
             raise bad("counter_interval", self.counter_interval, f"seconds from 0 (off) to {MAX_INTERVAL:g}")
-        if self.nccl_addr_family not in gids.ADDR_FAMILIES:
-            raise bad("nccl_addr_family", self.nccl_addr_family, f"one of {list(gids.ADDR_FAMILIES)}")
+        if self.nccl_addr_family not in (*gids.ADDR_FAMILIES, AUTO):
+            raise bad("nccl_addr_family", self.nccl_addr_family, f"one of {[*gids.ADDR_FAMILIES, AUTO]}")
+        if self.nccl_gid_index is not None and not 0 <= self.nccl_gid_index < 256:
+            raise bad("nccl_gid_index", self.nccl_gid_index, "a GID index from 0 to 255 or null (not pinned)")
         if not 0 < self.perftest_min_percent <= 100:
             raise bad("perftest_min_percent", self.perftest_min_percent, "a percentage above 0 and at most 100")
         if not 1 <= self.perftest_seconds <= MAX_PERFTEST_SECONDS:
@@ -188,11 +224,12 @@ class NicRead:
     bond: netdev.Bond | None
     qos: dict[str, lossless.Lossless]  # per PCI netdev (Ethernet NICs)
     counters: dict[int, dict[str, int]]  # port -> counters at the first read
-    counters_after: dict[int, dict[str, int]] = field(default_factory=dict)  # port -> flap counters later
+    counters_after: dict[int, dict[str, int]] = field(default_factory=dict)  # port -> the same, later
     carrier_after: dict[str, int | None] = field(default_factory=dict)
     gid_index: dict[int, int] = field(default_factory=dict)  # port -> NCCL's GID index
     active_mtu: dict[int, int] = field(default_factory=dict)  # port -> libibverbs' active MTU, when read
     perftest: dict[int, perftest.Result] = field(default_factory=dict)
+    links: list[pcie.Function] = field(default_factory=list)  # the bridges whose links lead up to the root port
 
     @property
     def ethernet(self) -> bool:
@@ -206,6 +243,11 @@ class NicRead:
     def pci_netdevs(self) -> list[str]:
         return [n for n, d in self.netdevs.items() if d.pci]
 
+    @property
+    def latest_counters(self) -> dict[int, dict[str, int]]:
+        """Each counter's last value read."""
+        return {p: {**v, **self.counters_after.get(p, {})} for p, v in self.counters.items()}
+
 
 @dataclass
 class NodeRead:
@@ -216,6 +258,36 @@ class NodeRead:
     interval: float  # seconds between the two counter reads, 0 when there was one read
     dcb: str  # "" when DCB netlink was used, else why not
     perftest: str  # "" when perftest ran, else why not
+    family: str = gids.AF_INET  # the NCCL address family the GID picks are for
+    baseline: Mapping[str, Any] = field(default_factory=dict)  # the previous run's stored counters
+    taken: float = 0.0  # time.time() of the first counter read
+    gpu_links: list[pcie.Function] = field(default_factory=list)  # bridges above GPUs that no NIC path has
+
+
+@dataclass
+class CounterWatch:
+    """The first read of the counters a read compares: taken as early as possible, so that the
+    ``counter_interval`` runs while the rest of the node is read (:func:`watch_counters`)."""
+
+    start: float  # clock() at the read
+    taken: float  # time.time() at the read
+    counters: dict[str, dict[int, dict[str, int]]]  # NIC -> port -> counter -> value
+
+
+def watched_counters(want: Expectations) -> list[str]:
+    return sorted(set(want.counter_max) | set(want.counter_watch) | set(portcounters.FLAP_COUNTERS))
+
+
+def watch_counters(
+    nics: Sequence[sysfs.Nic], sysfs_root: str, want: Expectations, clock: Callable[[], float] = time.monotonic
+) -> CounterWatch:
+    """Read the compared counters of ``nics`` now (the first of the two reads)."""
+    names = watched_counters(want)
+    found = {
+        nic.name: {p.number: portcounters.read_port(sysfs_root, nic.name, p.number, names) for p in nic.ports}
+        for nic in nics
+    }
+    return CounterWatch(clock(), time.time(), found)
 
 
 def _functions(sysfs_root: str, nic: sysfs.Nic, netdevs: Mapping[str, netdev.Netdev]) -> list[pcie.Function]:
@@ -237,6 +309,17 @@ def _functions(sysfs_root: str, nic: sysfs.Nic, netdevs: Mapping[str, netdev.Net
     return list(seen.values())
 
 
+def _upstream(sysfs_root: str, functions: Sequence[pcie.Function], seen: set[str]) -> list[pcie.Function]:
+    """The bridges above ``functions`` whose links are not read yet (``seen`` grows)."""
+    out = []
+    for fn in functions:
+        for bridge in pcie.uplinks(sysfs_root, fn):
+            if bridge.address not in seen:
+                seen.add(bridge.address)
+                out.append(bridge)
+    return out
+
+
 def read(
     nics: Sequence[sysfs.Nic],
     sysfs_root: str,
@@ -247,66 +330,85 @@ def read(
     active_mtu: Mapping[str, Sequence[int]] | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    watch: CounterWatch | None = None,
+    baseline: Mapping[str, Any] | None = None,
 ) -> NodeRead:
     """One pass over the node. ``real_node``: the roots are this host's own (DCB netlink and
     perftest talk to the kernel and devices, so they run only then). ``active_mtu``: per NIC, the
-    ports' active MTU from libibverbs. With ``want.counter_interval`` the flap counters are read
-    again that long after the first read; the rest of the read happens in between."""
-    start = clock()
+    ports' active MTU from libibverbs. ``watch``: the first counter read, taken by the caller as
+    early as it could (else here); the counters are read again ``want.counter_interval`` seconds
+    after it, once everything else (perftest included) is read. ``baseline``: the counters the
+    previous run stored for this node (:func:`next_baseline`)."""
+    if watch is None:
+        watch = watch_counters(nics, sysfs_root, want, clock)
     reads: list[NicRead] = []
-    wanted = sorted(set(want.counter_max) | set(portcounters.FLAP_COUNTERS))  # a counter read asks the device
     for nic in nics:
-        counters = {p.number: portcounters.read_port(sysfs_root, nic.name, p.number, wanted) for p in nic.ports}
         devs = {name: netdev.read_netdev(sysfs_root, name) for name in nic.netdevs}
-        reads.append(NicRead(nic, [], devs, None, {}, counters))
+        reads.append(NicRead(nic, [], devs, None, {}, watch.counters.get(nic.name, {})))
+    family = want.nccl_addr_family
+    if family == AUTO:
+        family = gids.auto_family([p for r in reads for p in r.nic.ports])
     client: dcb.Client | None = None
     why_no_dcb = "DCB netlink reads the node's own netdevs, and these sysfs/procfs roots are a fixture"
     if real_node:
+        from . import dcb  # netlink: real nodes only
+
         try:
             client = dcb.Client()
             why_no_dcb = ""
         except OSError as exc:
             why_no_dcb = f"no netlink socket ({exc})"
+    bridges: set[str] = set()
     try:
         for r in reads:
             r.functions = _functions(sysfs_root, r.nic, r.netdevs)
+            r.links = _upstream(sysfs_root, r.functions, bridges)
             masters = {d.master for d in r.netdevs.values() if d.master}
             bonds = [b for b in (netdev.read_bond(sysfs_root, procfs_root, m) for m in sorted(masters)) if b]
             r.bond = bonds[0] if bonds else None
             if r.ethernet:
                 r.qos = {n: lossless.read(sysfs_root, n, want.pfc_priority, client, why_no_dcb) for n in r.pci_netdevs}
-            r.gid_index = {p.number: gids.nccl_gid_index(p, want.nccl_addr_family) for p in r.nic.ports}
+            r.gid_index = {p.number: gids.nccl_gid_index(p, family) for p in r.nic.ports}
             if active_mtu and r.nic.name in active_mtu:
                 r.active_mtu = dict(enumerate(active_mtu[r.nic.name], start=1))
     finally:
         if client is not None:
             client.close()
+    gpus = pcie.read_gpus(sysfs_root)
     node = NodeRead(
         nics=reads,
-        gpus=pcie.read_gpus(sysfs_root),
+        gpus=gpus,
         gpudirect=gpudirect.read(sysfs_root, procfs_root),
         runtimes=memlock.read(procfs_root, host_root),
         interval=0.0,
         dcb=why_no_dcb,
         perftest="",
+        family=family,
+        baseline=baseline or {},
+        taken=watch.taken,
+        gpu_links=_upstream(sysfs_root, gpus, bridges),
     )
-    if want.counter_interval > 0:
-        left = want.counter_interval - (clock() - start)
+    node.perftest = _perftest(node, want, real_node) if want.perftest and PERFTEST not in want.skip else ""
+    if want.counter_interval > 0:  # the second read, once the rest (perftest's load included) is done
+        left = want.counter_interval - (clock() - watch.start)
         if left > 0:
             sleep(left)
+        names = watched_counters(want)
         for r in reads:
             r.counters_after = {
-                p.number: portcounters.read_port(sysfs_root, r.nic.name, p.number, portcounters.FLAP_COUNTERS)
-                for p in r.nic.ports
+                p.number: portcounters.read_port(sysfs_root, r.nic.name, p.number, names) for p in r.nic.ports
             }
             r.carrier_after = {n: netdev.read_carrier_changes(sysfs_root, n) for n in r.netdevs}
-        node.interval = clock() - start
-    node.perftest = _perftest(node, want, real_node) if want.perftest and PERFTEST not in want.skip else ""
+        node.interval = clock() - watch.start
     return node
 
 
 def _perftest(node: NodeRead, want: Expectations, real_node: bool) -> str:
     """Run the loopback test on every active port; why it did not run ("" when it did)."""
+    import shutil  # only with perftest
+
+    from . import perftest
+
     if not real_node:
         return "perftest runs on the node's own devices, and these roots are a fixture"
     command = shutil.which(want.perftest_command)
@@ -329,9 +431,12 @@ def _gts(value: float | None) -> str:
     return "Unknown" if value is None else f"{value:g} GT/s"
 
 
-def _pcie(name: str, nic: str, gpu: str, fn: pcie.Function, width_only: bool) -> Check:
+def _pcie(name: str, nic: str, gpu: str, fn: pcie.Function, width_only: bool, below: str = "") -> Check:
+    """``fn``'s link; ``below``: the device ``fn`` (a switch upstream port) leads to, for a link up the path."""
     link = fn.link
     label = f"{nic} PCIe {fn.address}" if nic else None
+    if below:
+        label = f"{nic or f'GPU {gpu}'} PCIe {fn.address} (switch uplink above {below})"
     if link is None:
         return skipped(
             name, f"{fn.address} has no PCIe link attributes (not a PCIe function)", nic=nic, gpu=gpu, label=label
@@ -351,7 +456,7 @@ def _pcie(name: str, nic: str, gpu: str, fn: pcie.Function, width_only: bool) ->
     )
     if slow or narrow:
         return Check(name, nic, "", False, f"link runs at {seen}, expected {expected}", fix, label=label, gpu=gpu)
-    note = " (the speed drops while the GPU is idle and is not checked)" if width_only else ""
+    note = " (an idle GPU lowers its speed: it is checked only under load, not here)" if width_only else ""
     return Check(name, nic, "", True, f"link at {seen}{note}", label=label, gpu=gpu)
 
 
@@ -556,32 +661,101 @@ def _qos(r: NicRead, want: Expectations) -> list[Check]:
     return out
 
 
-def _counters(r: NicRead, want: Expectations) -> Check:
-    nic = r.nic.name
-    if not want.counter_max:
-        return skipped(PORT_COUNTERS, "no counter thresholds given (counter_max)", nic=nic)
-    over, seen = [], []
-    for port, values in sorted(r.counters.items()):
+def _when(epoch: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(epoch))
+
+
+def _previous(r: NicRead, node: NodeRead) -> tuple[dict[int, dict[str, int]], str, str]:
+    """The counters the previous run stored for this NIC (port -> counter -> value), when, and why there
+    are none ("" when there are): none stored, or another NIC under the name since (node GUID)."""
+    entry = (node.baseline.get("nics") or {}).get(r.nic.name)
+    if not isinstance(entry, Mapping):
+        return {}, "", "no values of a previous run" if not node.baseline else "the previous run stored none for it"
+    if entry.get("node_guid") and entry.get("node_guid") != r.nic.node_guid:
+        return {}, "", f"the NIC was replaced since the previous run (node GUID {entry.get('node_guid')})"
+    ports = entry.get("ports") or {}
+    found = {int(p): {str(k): int(v) for k, v in values.items()} for p, values in ports.items()}
+    return found, _when(float(entry.get("taken") or 0)), ""
+
+
+def baseline_growth(r: NicRead, node: NodeRead, want: Expectations) -> list[str]:
+    """``counter_max`` counters that grew more than their limit since the previous run's values."""
+    before, when, _ = _previous(r, node)
+    out = []
+    for port, values in sorted(r.latest_counters.items()):
         for name, limit in sorted(want.counter_max.items()):
-            if name in values:
-                seen.append(name)
-                if values[name] > limit:
-                    over.append(f"port {port} {name} {values[name]} > {limit}")
+            old = before.get(port, {}).get(name)
+            if old is None or name not in values:
+                continue
+            grew = portcounters.growth(old, values[name])
+            if grew > limit:
+                reset = " (reset in between)" if values[name] < old else ""
+                out.append(
+                    f"port {port} {name} {old} -> {values[name]}{reset} since the previous run ({when}), over {limit}"
+                )
+    return out
+
+
+def _counters(r: NicRead, node: NodeRead, want: Expectations) -> list[Check]:
+    """Growth within this read (``counter_watch``) and since the previous run (``counter_max``); the
+    totals are reported. A saturated counter is a not-checked row of its own: it cannot show growth."""
+    nic = r.nic.name
+    judged = set(want.counter_watch) | set(want.counter_max)
+    latest = r.latest_counters
+    seen = sorted({n for values in latest.values() for n in values if n in judged})
     if not seen:
-        return skipped(PORT_COUNTERS, f"the device shows none of {', '.join(sorted(want.counter_max))}", nic=nic)
-    if over:
-        return Check(
-            PORT_COUNTERS,
-            nic,
-            "",
-            False,
-            "; ".join(over),
-            "check the cable, transceiver and switch port (their error counters too) and the lossless "
-            "configuration (buffer overruns mean drops on a lossless priority); the counters count since "
-            "the driver loaded",
+        return [
+            skipped(PORT_COUNTERS, f"the device shows none of {', '.join(sorted(judged)) or 'no counter'}", nic=nic)
+        ]
+    problems = []
+    span = f"{node.interval:.1f} s"
+    for port, after in sorted(r.counters_after.items()):
+        for name in want.counter_watch:
+            before = r.counters.get(port, {}).get(name)
+            if before is not None and name in after and portcounters.growth(before, after[name]) > 0:
+                problems.append(f"port {port} {name} {before} -> {after[name]} within {span}")
+    problems += baseline_growth(r, node, want)
+    totals = [
+        f"port {p} {n} {v}"
+        for p, values in sorted(latest.items())
+        for n, v in sorted(values.items())
+        if v and n in judged
+    ]
+    full = [f"port {p} {n} {v}" for p, values in sorted(latest.items()) for n, v in sorted(values.items())
+            if n in judged and portcounters.saturated(n, v)]  # fmt: skip
+    out = []
+    if full:
+        out.append(
+            skipped(
+                PORT_COUNTERS,
+                f"{', '.join(full)}: at the counter's maximum (it saturates), so new errors cannot show; reset the "
+                "port counters (InfiniBand: perfquery -x -R; a firmware reset clears them too) to watch it again",
+                nic=nic,
+            )
         )
-    limits = ", ".join(f"{n} <= {v}" for n, v in sorted(want.counter_max.items()) if n in seen)
-    return Check(PORT_COUNTERS, nic, "", True, f"counters within limits ({limits})")
+    _, _, no_previous = _previous(r, node)
+    windows = ([f"within {span}"] if r.counters_after else []) + ([] if no_previous else ["since the previous run"])
+    shown = f"; lifetime totals (not judged): {', '.join(totals)}" if totals else ""
+    if problems:
+        out.insert(
+            0,
+            Check(
+                PORT_COUNTERS,
+                nic,
+                "",
+                False,
+                f"error counters grew: {'; '.join(problems)}{shown}",
+                "the link takes errors: check the cable, transceiver and switch port (their counters too) and, for "
+                "buffer overruns, the lossless configuration; after the repair reset the port counters (InfiniBand: "
+                "perfquery -x -R) - the stored values of the previous run stay until this check passes",
+            ),
+        )
+    elif not windows:
+        why = f"counter_interval is 0 and {no_previous}" if want.counter_interval <= 0 else no_previous
+        out.insert(0, skipped(PORT_COUNTERS, f"no growth to judge: {why}{shown}", nic=nic))
+    else:
+        out.insert(0, Check(PORT_COUNTERS, nic, "", True, f"no error counter grew {' or '.join(windows)}{shown}"))
+    return out
 
 
 def _flap(r: NicRead, node: NodeRead, want: Expectations) -> Check:
@@ -590,15 +764,16 @@ def _flap(r: NicRead, node: NodeRead, want: Expectations) -> Check:
         return skipped(LINK_FLAP, "counter_interval is 0 (give it a few seconds to watch link_downed)", nic=nic)
     grew = []
     for port, after in sorted(r.counters_after.items()):
-        for name, value in after.items():
+        for name in portcounters.FLAP_COUNTERS:
             before = r.counters.get(port, {}).get(name)
-            if before is not None and value > before:
-                grew.append(f"port {port} {name} {before} -> {value}")
+            if before is not None and name in after and portcounters.growth(before, after[name]) > 0:
+                grew.append(f"port {port} {name} {before} -> {after[name]}")
     for name, after_changes in r.carrier_after.items():
         before_changes = r.netdevs[name].carrier_changes
         if before_changes is not None and after_changes is not None and after_changes > before_changes:
             grew.append(f"{name} carrier_changes {before_changes} -> {after_changes}")
-    watched = sum(len(v) for v in r.counters_after.values()) + sum(v is not None for v in r.carrier_after.values())
+    flaps = sum(n in v for v in r.counters_after.values() for n in portcounters.FLAP_COUNTERS)
+    watched = flaps + sum(v is not None for v in r.carrier_after.values())
     if not watched:
         return skipped(LINK_FLAP, "neither link_downed nor carrier_changes is readable", nic=nic)
     span = f"{node.interval:.1f} s"
@@ -615,23 +790,45 @@ def _flap(r: NicRead, node: NodeRead, want: Expectations) -> Check:
     return Check(LINK_FLAP, nic, "", True, f"no link down within {span}")
 
 
-def _gid_consistency(reads: Sequence[NicRead], family: str) -> Check | None:
-    roce = [r for r in reads if r.ethernet and 1 in r.gid_index]
-    if not roce:
-        return None
-    port_of = {r.nic.name: r.nic.ports[0] for r in roce}
-    return same_across_nics(
-        GID_INDEX,
-        {r.nic.name: r.gid_index[1] for r in roce},
-        lambda odd, common: (
-            f"NCCL ({family}) picks a different GID index on "
-            + ", ".join(f"{n}={gids.describe(port_of[n], i)}" for n, i in odd.items())
-            + f" than {common} on the other NICs"
-        ),
-        lambda common: f"NCCL ({family}) picks GID index {gids.describe(roce[0].nic.ports[0], common)} on every NIC",
-        "give every NIC's netdev the same addresses (NCCL chooses the GID by NCCL_IB_ADDR_FAMILY and "
-        "RoCE v2), or set NCCL_IB_GID_INDEX; show_gids lists the tables",
-    )
+def _gid_checks(r: NicRead, node: NodeRead, want: Expectations) -> list[Check]:
+    """The GID NCCL uses on each RoCE port: the pinned NCCL_IB_GID_INDEX, else NCCL's own per-port
+    choice (``ncclIbGetGidIndex``: NCCL_IB_GID_INDEX >= 0 is returned as is, else the table is walked
+    by ``ncclUpdateGidIndex``; NVIDIA/nccl src/transport/net_ib/connect.cc). It must be a RoCE v2 GID
+    of the address family, valid, and on the compute network when one is given."""
+    out = []
+    family, pinned = node.family, want.nccl_gid_index
+    for port in r.nic.ports:
+        if port.link_layer != "Ethernet":
+            continue
+        own = r.gid_index.get(port.number, 0)
+        index = own if pinned is None else pinned
+        entry = next((g for g in port.gids if g.index == index), None)
+        problem = ""
+        if entry is None or not gids.usable(entry, family):
+            problem = f"not a RoCE v2 GID with an {family} address"
+        elif want.compute_networks and not gids.on_networks(entry.gid, want.compute_networks):
+            problem = f"not on the compute network ({', '.join(want.compute_networks)})"
+        shown = gids.describe(port, index)
+        netdev_name = entry.ndev if entry is not None and entry.ndev else (r.nic.compute_netdevs or ("<netdev>",))[0]
+        if pinned is not None:
+            detail = f"port {port.number}: NCCL_IB_GID_INDEX={pinned} (pinned by the deployment) is {shown}"
+            if problem:
+                detail += f": {problem}; NCCL's own choice here would be {gids.describe(port, own)}"
+            fix = (
+                "unpin NCCL_IB_GID_INDEX (NCCL then picks the GID per NIC; the plugin's workloadEnv sets it per "
+                "allocation only where the allocated ports agree), or give every NIC's netdev the same addresses "
+                "in the same order, so that the GID lands at the same index (show_gids lists the tables)"
+            )
+        else:
+            detail = f"port {port.number}: NCCL ({family}) picks GID {shown}"
+            if problem:
+                detail += f": {problem}"
+            fix = (
+                f"give {netdev_name} an address of the compute network (NCCL needs a RoCE v2 GID of "
+                "NCCL_IB_ADDR_FAMILY, nccl_addr_family here), or correct nccl_addr_family / compute_networks"
+            )
+        out.append(Check(GID_INDEX, r.nic.name, "", not problem, detail, "" if not problem else fix))
+    return out
 
 
 def _numa(node: NodeRead) -> list[Check]:
@@ -733,7 +930,7 @@ def _gpudirect(node: NodeRead) -> Check:
     return Check(GPUDIRECT, "", "", True, detail)
 
 
-def _memlock(node: NodeRead) -> Check:
+def _memlock(node: NodeRead, want: Expectations) -> Check:
     if not node.runtimes:
         return skipped(MEMLOCK, "no container runtime (containerd, dockerd, crio) runs or has a systemd unit")
     rt = next((r for r in node.runtimes if r.pid is not None), node.runtimes[0])
@@ -747,23 +944,25 @@ def _memlock(node: NodeRead) -> Check:
         f"systemctl daemon-reload and systemctl restart {rt.unit}"
     )
     who = f"{rt.name} (pid {rt.pid})" if rt.pid is not None else rt.name
+    # ib_umem_get (drivers/infiniband/core/umem.c) refuses a pin past RLIMIT_MEMLOCK only when the caller
+    # lacks CAP_IPC_LOCK: pods the admission policy admits have it, so a limit then fails nothing.
+    if want.ipc_lock:
+        effect = (
+            "RDMA pods run with CAP_IPC_LOCK (the chart's admission policy requires it), which ib_umem_get exempts "
+            "from the limit, so they pin regardless; a container without it could pin no more"
+        )
+    else:
+        effect = "RDMA pods run without CAP_IPC_LOCK (ipc_lock false), so ibv_reg_mr fails past it (ib_umem_get)"
+    problem = ""
     if rt.running is not None and not rt.running.unlimited:
-        return Check(
-            MEMLOCK,
-            "",
-            "",
-            False,
-            f"{who} runs with max locked memory {rt.running.describe()} "
-            f"({unit_text}): RDMA pods cannot pin more (ibv_reg_mr fails)",
-            fix,
-            label="",
-        )
-    unit_finite = setting is not None and (unit_limit is None or not unit_limit.unlimited)
-    if unit_finite:
+        problem = f"{who} runs with max locked memory {rt.running.describe()} ({unit_text})"
+    elif setting is not None and (unit_limit is None or not unit_limit.unlimited):
         now = "runs unlimited now, but" if rt.running is not None else "does not run, and"
-        return Check(
-            MEMLOCK, "", "", False, f"{who} {now} {unit_text} limits locked memory after a restart", fix, label=""
-        )
+        problem = f"{who} {now} {unit_text} limits locked memory after a restart"
+    if problem:
+        if want.ipc_lock:
+            return warning(MEMLOCK, "", f"{problem}: {effect}", fix, label="")
+        return Check(MEMLOCK, "", "", False, f"{problem}: {effect}", fix, label="")
     if rt.running is None and setting is None:
         return skipped(MEMLOCK, f"{who}: {rt.running_source} and no unit file")
     state = "runs with unlimited locked memory" if rt.running is not None else "is not running"
@@ -821,6 +1020,8 @@ def check(node: NodeRead, want: Expectations) -> list[Check]:
     out: list[Check] = []
     for r in node.nics:
         out += [_pcie(PCIE_LINK, r.nic.name, "", f, width_only=False) for f in r.functions]
+        below = r.functions[0].address if r.functions else r.nic.pci_address
+        out += [_pcie(PCIE_LINK, r.nic.name, "", b, width_only=False, below=below) for b in r.links]
         if not r.functions:
             out.append(skipped(PCIE_LINK, f"no PCI function {r.nic.pci_address} under /sys/bus/pci", nic=r.nic.name))
         out.append(_mtu(r, want))
@@ -828,8 +1029,9 @@ def check(node: NodeRead, want: Expectations) -> list[Check]:
             out.append(_link(r))
             out += _bond(r, want)
             out += _qos(r, want)
-        out.append(_counters(r, want))
+        out += _counters(r, node, want)
         out.append(_flap(r, node, want))
+        out += _gid_checks(r, node, want)
         if want.perftest:
             if node.perftest:
                 out.append(skipped(PERFTEST, node.perftest, nic=r.nic.name))
@@ -838,15 +1040,15 @@ def check(node: NodeRead, want: Expectations) -> list[Check]:
     eth = [r for r in node.nics if r.ethernet]
     if len(eth) > 1:
         out.append(_mtu_consistency(eth, want))
-    gid = _gid_consistency(node.nics, want.nccl_addr_family)
-    if gid is not None:
-        out.append(gid)
     out += _topology(node, want)
     if want.gpudirect_required:
         out.append(_gpudirect(node))
-    out.append(_memlock(node))
+    out.append(_memlock(node, want))
     for gpu in node.gpus:
         out.append(_pcie(GPU_PCIE_LINK, "", gpu.address, gpu, width_only=True))
+    for bridge in node.gpu_links:
+        gpu = next(g for g in node.gpus if bridge.address in g.path)
+        out.append(_pcie(GPU_PCIE_LINK, "", gpu.address, bridge, width_only=True, below=gpu.address))
     out += _numa(node)
     out = [c for c in out if c.name not in want.skip]
     if want.fail_not_checked:
@@ -877,6 +1079,22 @@ def _mtu_consistency(eth: Sequence[NicRead], want: Expectations) -> Check:
     )
 
 
+def next_baseline(node: NodeRead, want: Expectations) -> dict[str, Any]:
+    """The counters this run stores for the next one: per NIC its latest values, or, for a NIC whose
+    ``counter_max`` counters grew past their limit since the previous values, those previous values
+    (the NIC keeps failing until its counters are reset or the stored file is removed: a repair
+    that is not followed by a reset would otherwise pass the next run unseen)."""
+    nics: dict[str, Any] = {}
+    for r in node.nics:
+        old = (node.baseline.get("nics") or {}).get(r.nic.name)
+        if old is not None and baseline_growth(r, node, want):
+            nics[r.nic.name] = old
+            continue
+        ports = {str(p): v for p, v in r.latest_counters.items() if v}
+        nics[r.nic.name] = {"node_guid": r.nic.node_guid, "taken": round(node.taken, 3), "ports": ports}
+    return {"nics": nics}
+
+
 def summary(node: NodeRead, checks: Sequence[Check]) -> dict[str, object]:
     """The report row: what the node has, and which checks failed or were not checked."""
     gpus = [topology.placement(g) for g in node.gpus]
@@ -887,6 +1105,7 @@ def summary(node: NodeRead, checks: Sequence[Check]) -> dict[str, object]:
         "not_checked": sorted({c.name for c in checks if c.skipped}),
         "gpus": len(node.gpus),
         "gid_index": {r.nic.name: r.gid_index.get(1) for r in node.nics},
+        "gid_family": node.family if any(r.ethernet for r in node.nics) else None,
         "mtu": {
             r.nic.name: r.netdevs[r.nic.compute_netdevs[0]].mtu
             for r in node.nics

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from . import dcb, text
+from . import text
 from .sysfs import read_text
+
+if TYPE_CHECKING:  # DCB netlink only with a client (real nodes): imported there
+    from . import dcb
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ def read(sysfs_root: str, netdev: str, priority: int, client: dcb.Client | None,
     ieee: dcb.DcbIeee | None = None
     why = no_client
     if client is not None:
+        from . import dcb
+
         try:
             ieee = client.ieee(netdev)
         except (dcb.DcbError, OSError) as exc:

@@ -12,10 +12,16 @@ name                        scope  passes when
 ==========================  =====  ===========================================================
 ``kernel_modules``          node   every wanted kernel module is loaded
 ``driver_version``          node   the driver version is at least ``min_driver_version``
-``rdma_devices``            node   the selectors find ``expected_nics`` devices (else >= 1)
+``rdma_devices``            node   the selectors find ``expected_nics`` compute NICs (else >= 1); the
+                                   storage/management NICs and the VFs are listed (:mod:`.compute`)
 ``port_state``              NIC    every port is ACTIVE/LinkUp
 ``link_layer``              NIC    every port has ``link_layer``
-``rate``                    NIC    every port runs at ``rate_gbps``
+``rate``                    NIC    every port runs at ``rate_gbps``; unset, at the best rate of the
+                                   node's ports of the same model (a port trained below its
+                                   neighbours, e.g. ``200 Gb/sec (2X NDR)`` among 4X NDR ports). sysfs
+                                   shows only the active rate (the supported widths need a MAD, root),
+                                   so a node whose ports all run low is caught by the fleet report's
+                                   ``drift_port_rate``
 ``firmware_min``            NIC    the firmware is at least ``min_fw_version``
 ``uverbs``                  NIC    the NIC's uverbs char device exists under /dev/infiniband
 ``firmware_consistent``     node   every selected NIC runs the same firmware (the odd ones named)
@@ -32,7 +38,7 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import sysfs
@@ -67,11 +73,15 @@ class Expectations:
 class NodeRead:
     """What one read of the node found (the inputs of :func:`check`)."""
 
-    nics: Sequence[sysfs.Nic]  # the selected ones
+    nics: Sequence[sysfs.Nic]  # the selected compute NICs
     ignored: Sequence[str]  # RDMA devices the selectors leave out
     modules: Mapping[str, bool]  # module -> loaded
     driver_version: str | None
     rdma_cm: sysfs.CharDevice
+    storage: Mapping[str, str] = field(default_factory=dict)  # selected PFs that are not compute -> why
+    vf_devices: Sequence[str] = ()  # selected RDMA devices on VFs (not validated)
+    vfs: int = 0  # VFs enabled on the compute NICs
+    missing: Sequence[str] = ()  # compute NICs named by compute_nics that the node does not have
 
 
 def version_tuple(value: str) -> tuple[int, ...]:
@@ -124,10 +134,21 @@ def check(
 
     names = [n.name for n in node.nics]
     count_ok = len(names) == want.expected_nics if want.expected_nics is not None else bool(names)
-    found = f"{len(names)} RDMA device(s) match {selection} ({', '.join(names) or 'none'})"
+    count_ok = count_ok and not node.missing
+    found = f"{len(names)} compute RDMA device(s) match {selection} ({', '.join(names) or 'none'})"
+    if node.storage:
+        found += ", storage/management (not held to the RoCE settings): " + ", ".join(
+            f"{n} ({why})" for n, why in node.storage.items()
+        )
+    if node.vfs or node.vf_devices:
+        found += f", {node.vfs} VF(s) on them" + (
+            f" (RDMA devices on VFs, not validated: {', '.join(node.vf_devices)})" if node.vf_devices else ""
+        )
     if node.ignored:
         found += f", ignored: {', '.join(node.ignored)}"
-    if not count_ok:
+    if node.missing:
+        found += f", compute_nics names {', '.join(node.missing)}, which the node does not have"
+    if not count_ok and not node.missing:
         found += f", expected {want.expected_nics if want.expected_nics is not None else 'at least 1'}"
     add(
         "rdma_devices",
@@ -135,11 +156,12 @@ def check(
         count_ok,
         found,
         "check that every NIC is bound to its driver (lspci -k), that RoCE LAG bonds are formed, "
-        "and that rdma_selectors / rdma_nic_validate_expected_nics are right.",
+        "and that rdma_selectors, rdma_nic_validate_compute_* and rdma_nic_validate_expected_nics are right.",
     )
 
+    best = _best_rates(node.nics)
     for nic in node.nics:
-        _nic_checks(nic, want, add)
+        _nic_checks(nic, want, add, best)
 
     if want.fw_consistent and len(node.nics) > 1:
         out.append(
@@ -167,7 +189,24 @@ def check(
     return out
 
 
-def _nic_checks(nic: sysfs.Nic, want: Expectations, add: _Add) -> None:
+def _model(nic: sysfs.Nic, port: sysfs.Port) -> tuple[str, str, str]:
+    return (nic.vendor, nic.device_id, port.link_layer)
+
+
+def _best_rates(nics: Sequence[sysfs.Nic]) -> dict[tuple[str, str, str], tuple[float, str, str]]:
+    """Per model (vendor, device, link layer): the best active port rate of the node, its text and NIC."""
+    best: dict[tuple[str, str, str], tuple[float, str, str]] = {}
+    for nic in nics:
+        for port in nic.ports:
+            rate = port.rate_gbps
+            if port.active and rate is not None and rate > best.get(_model(nic, port), (0.0, "", ""))[0]:
+                best[_model(nic, port)] = (rate, port.rate, nic.name)
+    return best
+
+
+def _nic_checks(
+    nic: sysfs.Nic, want: Expectations, add: _Add, best: Mapping[tuple[str, str, str], tuple[float, str, str]]
+) -> None:
     ifs = ", ".join(nic.netdevs) or "none"
     bad = [p for p in nic.ports if not p.active] + [p for p in nic.ports if p.active and p.phys_state != "LinkUp"]
     desc = ", ".join(f"port {p.number} is {p.state}/{p.phys_state}" for p in bad)
@@ -194,17 +233,38 @@ def _nic_checks(nic: sysfs.Nic, want: Expectations, add: _Add) -> None:
             "and reboot, or correct rdma_nic_validate_link_layer.",
         )
 
+    rates = ", ".join(dict.fromkeys(p.rate for p in nic.ports)) or "unknown"
+    netdev = nic.compute_netdevs[0] if nic.compute_netdevs else "<netdev>"
+    fix = (
+        f"check the cable/transceiver (its type and speed), the switch port's speed and width, and the port's "
+        f"configured speed (ethtool {netdev}; InfiniBand: ibportstate), then reseat or replace what trains low"
+    )
     if want.rate_gbps is not None:
-        rates = ", ".join(dict.fromkeys(p.rate for p in nic.ports)) or "unknown"
         ok = bool(nic.ports) and all(p.rate_gbps == want.rate_gbps for p in nic.ports)
-        netdev = nic.compute_netdevs[0] if nic.compute_netdevs else "<netdev>"
         add(
             "rate",
             nic.name,
             ok,
             f"rate {rates}" if ok else f"port rate is {rates}, expected {_num(want.rate_gbps)} Gb/sec",
-            f"check the cable/transceiver and the switch port speed (ethtool {netdev}), "
-            "or correct rdma_nic_validate_rate_gbps.",
+            fix + ", or correct rdma_nic_validate_rate_gbps.",
+        )
+    elif any(p.active for p in nic.ports):
+        low = [
+            (p, best[_model(nic, p)])
+            for p in nic.ports
+            if p.active and (p.rate_gbps or 0.0) < best.get(_model(nic, p), (0.0, "", ""))[0]
+        ]
+        detail = "; ".join(
+            f"port {p.number} runs at {p.rate or 'an unknown rate'}, below the {text} of {other} (same model "
+            f"{nic.vendor}:{nic.device_id})"
+            for p, (_, text, other) in low
+        )
+        add(
+            "rate",
+            nic.name,
+            not low,
+            detail or f"rate {rates}, the node's best for its model (the fleet report compares it across nodes)",
+            fix + " (or set rdma_nic_validate_rate_gbps to the rate every port must have).",
         )
 
     if want.min_fw_version is not None:

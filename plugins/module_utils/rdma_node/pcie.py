@@ -174,6 +174,22 @@ def read_function(sysfs_root: str, address: str) -> Function | None:
     )
 
 
+def uplinks(sysfs_root: str, fn: Function) -> list[Function]:
+    """The links between ``fn`` and its root port, each read at its lower end: a path runs host
+    bridge, root port, then an (upstream port, downstream port) pair per PCIe switch, then the
+    function, so every second step from the root port down is the lower end of a link (a switch's
+    upstream port: its link to the root port or to the switch above; the link below a downstream
+    port is the next device's own). The root port shows the same link as the device below it.
+    Functions without link attributes are left out."""
+    out = []
+    for address in fn.path[2:-1:2]:
+        if _ADDRESS.match(address):
+            found = read_function(sysfs_root, address)
+            if found is not None and found.link is not None:
+                out.append(found)
+    return out
+
+
 def list_addresses(sysfs_root: str) -> list[str]:
     try:
         entries = os.listdir(os.path.join(sysfs_root, "bus", "pci", "devices"))

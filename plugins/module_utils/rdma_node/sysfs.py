@@ -111,6 +111,13 @@ class Nic:
     umad: tuple[CharDevice, ...] = ()
     issm: tuple[CharDevice, ...] = ()
     problems: tuple[str, ...] = field(default=(), compare=False)
+    # SR-IOV (drivers/pci/iov.c, pci_iov_add_virtfn: a VF's "physfn" link, the PF's "virtfnN" links)
+    physfn: str = ""  # PCI address of the physical function when this device is on a VF, else ""
+    vfs: int = 0  # VFs enabled on this device's PCI function (its virtfnN links)
+
+    @property
+    def is_vf(self) -> bool:
+        return bool(self.physfn)
 
     @property
     def link_layers(self) -> tuple[str, ...]:
@@ -172,6 +179,8 @@ class Nic:
             "umad": [_chardev_dict(c) for c in self.umad],
             "issm": [_chardev_dict(c) for c in self.issm],
             "problems": list(self.problems),
+            "physfn": self.physfn or None,
+            "vfs": self.vfs,
         }
 
 
@@ -412,6 +421,7 @@ def read_nic(
     verbs = uverbs.get(name, [])
     if not verbs:
         problems.append("no uverbs char device names it in its ibdev file")
+    entries = _listdir(pci_dir)
     return Nic(
         name=name,
         pci_address=pci_address,
@@ -428,6 +438,8 @@ def read_nic(
         umad=tuple(umad.get(name, [])),
         issm=tuple(issm.get(name, [])),
         problems=tuple(problems),
+        physfn=_link_name(os.path.join(pci_dir, "physfn")),
+        vfs=sum(1 for e in entries if e.startswith("virtfn") and e[6:].isdigit()),
     )
 
 

@@ -7,7 +7,7 @@
 // Requests (README.md): start stop crash capacity devices admit remove hints run_options pods wait
 // record_start record_stop status quit. Every response has "ok"; a request's "id" is echoed.
 //
-// This is the source of ../shared/tools/real-kubelet (its README documents the protocol), built here
+// The source of the workspace's shared kubelet-dm-serve tool (kube/README.md documents its protocol), built here
 // by scripts/kube-build.sh from k8s.io/kubernetes as pinned in kube/v1.32/go.mod instead of KubeEdge's
 // vendor tree, with overlay/devicemanager/zz_kubelet_dm_serve.go added to the devicemanager package
 // through a go build -overlay. The tests keep it for the behaviour of kubelets 1.28-1.34 that v1.37

@@ -428,7 +428,7 @@ class KubeletSimulator:
             self._refuse(
                 context,
                 f"duplicate {request.endpoint}",
-                f"device plugin {request.resource_name} at {path} is already registered",
+                f"device plugin already connected: {path}",  # the v1.37 manager.go PluginConnected text
             )
         # The kubelet is its own process: never share a subchannel (and its reconnect backoff
         # after the socket vanished) with other clients in this process. The receive limit is

@@ -1,11 +1,13 @@
-"""The kubelet's own device manager (``kubelet-dm-serve``) as a test and benchmark backend.
+"""The kubelet's own device manager as a test and benchmark backend.
 
-``../shared/tools/real-kubelet/kubelet-dm-serve`` runs the Kubernetes v1.32.10 device manager
-(registration server, endpoint clients, checkpoint, Topology Manager admission) behind a JSON-lines
-protocol on stdin/stdout (its README). :class:`RealKubelet` drives it with the same public methods
-the tests use on :class:`~.kubelet.KubeletSimulator` (``wait_registered``, ``capacity``,
-``allocatable``, ``health``, ``allocate``, ``restart`` ...), so one test runs against both; where
-they disagree the simulator is wrong. Never imported by ``serve``.
+``kubelet-managers`` (kube/cmd/kubelet-managers, built by ``make kube`` from the Kubernetes v1.37
+this repository pins) runs the kubelet's device manager (registration server, endpoint clients,
+checkpoint, Topology Manager admission) behind a JSON-lines protocol on stdin/stdout
+(kube/README.md); ``kubelet-dm-serve`` of v1.32 speaks the same protocol for the older kubelets'
+behaviour. :class:`RealKubelet` drives either with the same public methods the tests use on
+:class:`~.kubelet.KubeletSimulator` (``wait_registered``, ``capacity``, ``allocatable``, ``health``,
+``allocate``, ``restart`` ...), so one test runs against both; where they disagree the simulator is
+wrong. Never imported by ``serve``.
 
 What the real one cannot do: end a stream on demand (the kubelet only cuts a client when another
 stream of the resource ends: register a second client and end its stream, as a handover does), or
@@ -28,31 +30,35 @@ from typing import Any
 from ..kubeletapi import HEALTHY, KUBELET_SOCKET, UNHEALTHY
 from .kubelet import format_quantity
 
-ENV_BINARY = "RDMA_REAL_KUBELET"
-BINARY_NAME = "kubelet-dm-serve"
-# <repo root>/../shared/tools/real-kubelet/: this file is <repo>/plugin_src/src/rdma_device_plugin/kubesim/real.py
-_REPO_ROOT = Path(__file__).resolve().parents[4]
-SEARCH_PATHS = (
-    _REPO_ROOT.parent / "shared" / "tools" / "real-kubelet" / BINARY_NAME,
-    Path("/work/shared/tools/real-kubelet") / BINARY_NAME,
-)
+# The kubelet's own managers, built by scripts/kube-build.sh (`make kube`) from the modules this
+# repository pins: "1.37" is kube/cmd/kubelet-managers (kube/go.mod), "1.32" the device manager of
+# v1.32 (kube/v1.32/go.mod), kept for the 1.28-1.34 re-registration behaviour (kubernetes 121994).
+# The environment variables name a binary instead.
+BINARIES = {
+    "1.37": ("RDMA_REAL_KUBELET", "--print-bin", "kubelet-managers"),
+    "1.32": ("RDMA_REAL_KUBELET_1_32", "--print-legacy-bin", "kubelet-dm-serve"),
+}
+ENV_BINARY, _, BINARY_NAME = BINARIES["1.37"]
+# this file is <repo>/plugin_src/src/rdma_device_plugin/kubesim/real.py
+_BUILD_SCRIPT = Path(__file__).resolve().parents[4] / "scripts" / "kube-build.sh"
 
 
-def find_binary() -> tuple[str | None, str]:
-    """(path of kubelet-dm-serve, "") or (None, why it was not found, naming every place looked at)."""
-    env = os.environ.get(ENV_BINARY)
+def find_binary(version: str = "1.37") -> tuple[str | None, str]:
+    """(path of the kubelet's managers of ``version``, "") or (None, why not, naming the fix)."""
+    env_name, flag, name = BINARIES[version]
+    env = os.environ.get(env_name)
     if env:
         if os.access(env, os.X_OK):
             return env, ""
-        return None, f"${ENV_BINARY}={env} is not an executable file"
-    for path in SEARCH_PATHS:
-        if os.access(path, os.X_OK):
-            return str(path), ""
-    looked = ", ".join(str(p) for p in SEARCH_PATHS)
-    return (
-        None,
-        f"the kubelet's device manager ({BINARY_NAME}) is not installed: set ${ENV_BINARY} or put it at {looked}",
-    )
+        return None, f"${env_name}={env} is not an executable file"
+    if not _BUILD_SCRIPT.exists():
+        return None, f"{name}: no {_BUILD_SCRIPT} (not a checkout of the repository): set ${env_name}"
+    out = subprocess.run(["bash", str(_BUILD_SCRIPT), flag], capture_output=True, text=True, check=False)
+    path = Path(out.stdout.strip()) / name
+    if out.returncode == 0 and os.access(path, os.X_OK):
+        return str(path), ""
+    why = out.stderr.strip() or f"{path} is not built"
+    return None, f"the kubelet's managers ({name}, Kubernetes {version}): {why}; build them with `make kube`"
 
 
 class RealKubeletError(RuntimeError):
@@ -83,8 +89,9 @@ class RealKubelet:
         policy: str = "none",
         klog: str | None = None,
         binary: str | None = None,
+        version: str = "1.37",
     ) -> None:
-        found, why = (binary, "") if binary else find_binary()
+        found, why = (binary, "") if binary else find_binary(version)
         if found is None:
             raise FileNotFoundError(why)
         self.dir = device_plugin_dir

@@ -1,0 +1,75 @@
+"""Controller side of the rdma_node_info module: the port counters the previous run stored for the node.
+
+With ``counter_baseline_dir`` (playbooks/validate.yml: ``<rdma_validation_report_dir>/counters``, under
+out/<inventory>/ by default), this action reads ``<dir>/<inventory host>.json`` - what the module
+returned as ``counter_baseline_next`` at the previous run - into the module's ``counter_baseline``,
+runs the module, and writes the new ``counter_baseline_next`` back (not in check mode, not after a
+failed read), leaving it out of the task result. One small file per host, read and written in the
+host's own worker: no work once per run and nothing kept in the controller's memory.
+Without ``counter_baseline_dir`` it runs the module as the default action would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from urllib.parse import quote
+
+from ansible.plugins.action import ActionBase
+from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_action import execute_beside
+
+MODULE = "rdma_node_info"
+
+
+def baseline_path(directory, host):
+    """``<directory>/<host>.json``, the host name quoted so that it stays one file name."""
+    return os.path.join(directory, quote(host, safe="") + ".json")
+
+
+def load(path):
+    """The stored values, or None when there are none (first run) or the file is not what this action wrote."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("nics"), dict) else None
+
+
+def store(path, data):
+    """Replace the file atomically (a concurrent reader sees the old or the new values)."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=".counters-", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, sort_keys=True)
+        os.replace(partial, path)
+    except BaseException:
+        os.unlink(partial)
+        raise
+
+
+class ActionModule(ActionBase):
+    _supports_check_mode = True
+
+    def run(self, tmp=None, task_vars=None):
+        result = super().run(tmp, task_vars)
+        del tmp
+        args = dict(self._task.args)
+        directory = args.pop("counter_baseline_dir", None)
+        path = None
+        if directory:
+            path = baseline_path(directory, task_vars["inventory_hostname"])
+            if args.get("counter_baseline") is None:
+                args["counter_baseline"] = load(path)
+        result.update(execute_beside(self, MODULE, args, task_vars))
+        node = result.get("node")
+        following = node.pop("counter_baseline_next", None) if isinstance(node, dict) else None
+        # Not echoed back into every host's registered result (controller memory at fleet scale).
+        result.get("invocation", {}).get("module_args", {}).pop("counter_baseline", None)
+        # --check writes nothing: ansible_check_mode is the run's, whatever the read task's own check_mode: false
+        if path and following is not None and not result.get("failed") and not task_vars.get("ansible_check_mode"):
+            store(path, following)
+        return result
