@@ -162,7 +162,8 @@ def main() -> int:
         "",
         "### Start -> ResourceSlices in the API server (s)",
         "",
-        "| start | spawn -> both slices written anew, as listed by the API | inside the driver: set-up done (imports, config) -> first write |",
+        "| start | spawn -> both slices written anew, as listed by the API "
+        "| inside the driver: set-up done (imports, config) -> first write |",
         "|---|---|---|",
         *(
             f"| {k} | {v:.2f} | {f'{first_log[i]:.2f}' if i < len(first_log) and first_log[i] is not None else ''} |"
