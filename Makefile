@@ -7,7 +7,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo stop status prometheus-local test lint test-plugin test-plugin-loaded test-chart test-ops test-molecule collection image bench bench-fleet proto clean kube cluster-up cluster-down
+.PHONY: help setup system-deps demo stop status prometheus-local test lint test-plugin test-plugin-loaded test-chart test-ops test-molecule collection image bench bench-fleet proto clean kube cluster-up cluster-down dra-demo
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ cluster-up: setup kube ## a local control plane of upstream Kubernetes on 127.0.
 
 cluster-down: ## stop every process cluster-up started
 	@if [ -x $(PY) ]; then $(PY) scripts/kube_cluster.py down; else python3 scripts/kube_cluster.py down; fi
+
+dra-demo: setup kube ## the DRA driver on the local control plane: a fixture node, an rdma/hca: 1 pod and a claim aligned to a stub GPU, what each got
+	$(PY) scripts/dra_demo.py
 
 demo: setup ## the main job on the local default: validate, deploy and verify a fixture Lingjun node via Ansible
 	$(BIN)/ansible-playbook playbooks/site.yml -i inventories/local

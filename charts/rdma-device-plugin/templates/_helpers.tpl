@@ -194,7 +194,14 @@ Takes .Values.affinity and ANDs the mode-label expression into every nodeSelecto
 ORed by Kubernetes). The default mode needs "label absent OR label == mode", which one term cannot
 say, so every term is doubled: one copy with DoesNotExist, one with In [mode]. A node whose label
 holds any other value gets neither DaemonSet (see NOTES).
+With the DRA driver rendered (driver: dra, or dra.enabled) the API label is ANDed the same way:
+(dict ... "api" "devicePlugin"|"dra"); without it the device plugin's affinity stays as it was
+(no rollout of its pods on upgrade).
 */}}
+{{- define "rdma-device-plugin.draEnabled" -}}
+{{- if or (eq .Values.driver "dra") .Values.dra.enabled }}true{{ end }}
+{{- end }}
+
 {{- define "rdma-device-plugin.affinity" -}}
 {{- $v := .root.Values }}
 {{- $key := $v.modeLabelKey }}
@@ -210,12 +217,23 @@ holds any other value gets neither DaemonSet (see NOTES).
 {{- if ($v.validation | default dict).required }}
 {{- $validated = list (dict "key" (include "rdma-device-plugin.validatedKey" .root) "operator" "In" "values" (list "true")) }}
 {{- end }}
+{{- $apis := list list }}
+{{- if include "rdma-device-plugin.draEnabled" .root }}
+{{- $api := .api | default "devicePlugin" }}
+{{- $apiKey := $v.driverLabelKey }}
+{{- $apis = list (list (dict "key" $apiKey "operator" "In" "values" (list $api))) }}
+{{- if eq $api $v.driver }}
+{{- $apis = list (list (dict "key" $apiKey "operator" "DoesNotExist")) (list (dict "key" $apiKey "operator" "In" "values" (list $api))) }}
+{{- end }}
+{{- end }}
 {{- $newTerms := list }}
 {{- range $term := $terms }}
 {{- range $expr := $variants }}
+{{- range $apiExprs := $apis }}
 {{- $t := deepCopy $term }}
-{{- $_ := set $t "matchExpressions" (concat (get $t "matchExpressions" | default list) (list $expr) $validated) }}
+{{- $_ := set $t "matchExpressions" (concat (get $t "matchExpressions" | default list) (list $expr) $apiExprs $validated) }}
 {{- $newTerms = append $newTerms $t }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- $_ := set $required "nodeSelectorTerms" $newTerms }}

@@ -13,6 +13,14 @@ check fails.
 {{- $errors = append $errors (printf "mode=%v: use shared or exclusive" $v.mode) }}
 {{- end }}
 
+{{- /* the API that serves the NICs (driver: dra needs DRA with consumable capacity, counters, device taints and extended-resource classes) */}}
+{{- if not (has $v.driver (list "devicePlugin" "dra")) }}
+{{- $errors = append $errors (printf "driver=%v: use devicePlugin or dra" $v.driver) }}
+{{- end }}
+{{- if and (include "rdma-device-plugin.draEnabled" .) (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "resource.k8s.io/v1/DeviceClass" "minKube" "1.36.0-0"))) }}
+{{- $errors = append $errors (printf "driver=dra (or dra.enabled) needs resource.k8s.io/v1 with consumable capacity and extended-resource DeviceClasses (Kubernetes >= 1.36), which this cluster (%s) does not serve; keep driver=devicePlugin and dra.enabled=false, or render with --kube-version/--api-versions of the real cluster (docs/dra.md)" .Capabilities.KubeVersion.Version) }}
+{{- end }}
+
 {{- /* resource pools: names unique across resourceName and extraResources, sharedDevices in range */}}
 {{- $seen := dict }}
 {{- $pools := list (dict "where" "resourceName/sharedDevices" "name" $v.resourceName "sharedDevices" $v.sharedDevices) }}

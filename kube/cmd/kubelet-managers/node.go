@@ -474,16 +474,22 @@ func (a *nodeAgent) syncPod(ctx context.Context, key string) (time.Duration, err
 		return 0, err
 	}
 	if !exists {
-		// Gone from the API server (deleted with grace 0 by us or by force): stop what is left.
+		// Gone from the API server (deleted with grace 0 by us or by force): stop what is left and
+		// unprepare its claims with the last pod object seen (the kubelet's pod workers keep it
+		// until the pod is terminated); a failed unprepare is retried.
 		for _, uid := range a.s.runtimeUIDs(key) {
-			a.teardown(ctx, key, uid, nil, 0)
+			if err := a.teardown(ctx, key, uid, nil, 0); err != nil {
+				return 0, err
+			}
 		}
 		return 0, nil
 	}
 	pod := obj.(*v1.Pod).DeepCopy()
 	for _, uid := range a.s.runtimeUIDs(key) {
 		if uid != pod.UID { // same name, new pod: the old one is gone
-			a.teardown(ctx, key, uid, nil, 0)
+			if err := a.teardown(ctx, key, uid, nil, 0); err != nil {
+				return 0, err
+			}
 		}
 	}
 	if pod.DeletionTimestamp != nil {
@@ -657,15 +663,23 @@ func (a *nodeAgent) teardown(ctx context.Context, key string, uid types.UID, pod
 }
 
 func (a *nodeAgent) teardownRuntime(ctx context.Context, key string, uid types.UID, pod *v1.Pod, grace time.Duration) error {
-	rt := a.s.takeRuntime(key, uid)
+	// The runtime stays until the claims are unprepared, so a failed unprepare (the driver not
+	// registered yet) is retried, also once the pod is gone from the API server.
+	rt := a.s.peekRuntime(key, uid)
 	if rt != nil {
 		rt.kill(grace)
+		if pod == nil {
+			rt.mu.Lock()
+			pod = rt.pod
+			rt.mu.Unlock()
+		}
 	}
 	if pod != nil && (rt == nil || rt.isPrepared()) {
 		if err := a.dra.UnprepareResources(ctx, pod); err != nil {
 			return fmt.Errorf("unprepare dynamic resources: %w", err)
 		}
 	}
+	a.s.takeRuntime(key, uid)
 	if rt != nil && pod != nil {
 		path := filepath.Join(a.cfg.RecordDir, pod.Namespace+"_"+pod.Name+".json")
 		_ = os.Remove(path)

@@ -82,6 +82,7 @@ type podRuntime struct {
 	podIP      string
 	volDir     string
 	enqueue    func()
+	pod        *v1.Pod // the last pod object synced: a pod gone from the API is still unprepared with it
 }
 
 func (s *server) runtimeKeys() []string {
@@ -99,6 +100,16 @@ func (s *server) runtimeUIDs(key string) []types.UID {
 	defer s.mu.Unlock()
 	if rt, ok := s.runtimes[key]; ok {
 		return []types.UID{rt.uid}
+	}
+	return nil
+}
+
+// peekRuntime is takeRuntime without removing it (teardown removes it once the claims are unprepared).
+func (s *server) peekRuntime(key string, uid types.UID) *podRuntime {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if rt, ok := s.runtimes[key]; ok && rt.uid == uid {
+		return rt
 	}
 	return nil
 }
@@ -126,10 +137,13 @@ func (s *server) runtimeFor(a *nodeAgent, key string, pod *v1.Pod) *podRuntime {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if rt, ok := s.runtimes[key]; ok && rt.uid == pod.UID {
+		rt.mu.Lock()
+		rt.pod = pod
+		rt.mu.Unlock()
 		return rt
 	}
 	s.podSeq++
-	rt := &podRuntime{key: key, uid: pod.UID, runOpts: map[string]obj{}, ctrs: map[string]*ctrState{},
+	rt := &podRuntime{key: key, uid: pod.UID, pod: pod, runOpts: map[string]obj{}, ctrs: map[string]*ctrState{},
 		startTime: time.Now(), volDir: filepath.Join(a.cfg.StateDir, "pods", string(pod.UID), "volumes")}
 	rt.podIP = a.cfg.NodeIP
 	if !pod.Spec.HostNetwork {

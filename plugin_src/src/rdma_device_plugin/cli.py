@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging(fx)
 
     sub.add_parser("config-schema", help="print the config file's JSON schema")
+
+    from .dra.args import add_arguments as add_dra_arguments  # standard library only
+
+    dra = sub.add_parser("dra", help="serve the same NICs as a DRA driver (ResourceSlices, kubelet DRA plugin)")
+    add_dra_arguments(dra)
+    _add_roots(dra)
+    _add_logging(dra)
     return parser
 
 
@@ -274,6 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _discover(args)
         if args.command == "fixture":
             return _fixture(args)
+        if args.command == "dra":
+            from .dra.driver import run
+
+            return run(args)
         from .supervisor import serve
 
         return serve(args)

@@ -1,0 +1,7 @@
+"""The DRA driver: the same NICs as the device plugin, through Dynamic Resource Allocation.
+
+``rdma-device-plugin dra`` publishes each node's NICs as ResourceSlices (:mod:`.model`,
+:mod:`.publisher`), serves the kubelet's DRA gRPC (:mod:`.service`) and prepares claims with one CDI
+spec each (:mod:`.claims`), reusing the device plugin's discovery, health rule, pools and NCCL env.
+docs/dra.md is the operator's guide, docs/design.md explains the device model.
+"""

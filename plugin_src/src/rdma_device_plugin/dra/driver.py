@@ -1,0 +1,185 @@
+"""``rdma-device-plugin dra``: the DRA driver process.
+
+One loop on the main thread, as the device plugin's supervisor: the port probe every
+``health.intervalSeconds`` (one ``pread`` per port, :class:`..discovery.Discovery`), the device list
+once a second (hot-plug, removal) and a full re-list every ``rediscoveryIntervalSeconds``; after any
+change it rebuilds the published model (:mod:`.model`) and hands it to the publisher thread
+(:mod:`.publisher`) and to the kubelet's health streams (:mod:`.service`). gRPC runs in its own
+threads; prepare reads the current model and the pools (thread-safe).
+
+The pools are the device plugin's, in exclusive mode whatever the node's mode (one per resource, a
+NIC in the first resource that selects it): they give the health rule, the vanish grace and, per set
+of NICs, exactly what Allocate hands a container (device nodes, env). The node's mode decides only
+which device serves the extended resource (:mod:`.model`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+
+from ..config import PluginConfig, load_config
+from ..discovery import Discovery
+from ..resources import ResourcePool
+from ..supervision import remove_health, write_health
+from . import kubeapi, model
+from .claims import Claims
+from .inventory import Inventory
+from .publisher import Publisher
+from .service import DeviceHealth, HealthFeed, KubeletService, Paths
+
+LOG = logging.getLogger("rdma_device_plugin.dra")
+RELIST_CHECK_SECONDS = 1.0
+
+
+def pool_config(config: PluginConfig) -> PluginConfig:
+    """The config the driver's pools run with: exclusive (one device per NIC), no CDI of the device
+    plugin's own (the driver writes one spec per claim), no numaPools (claims select by NUMA node)."""
+    resources = [r.model_copy(update={"numa_pools": False}) for r in config.resources]
+    cdi = config.cdi.model_copy(update={"enabled": False})
+    return config.model_copy(update={"mode": "exclusive", "resources": resources, "cdi": cdi})
+
+
+class Driver:
+    def __init__(self, args: argparse.Namespace, config: PluginConfig, client: kubeapi.Client) -> None:
+        self.args = args
+        self.config = config
+        self.node = args.node_name
+        self.driver = args.driver_name
+        self.started = time.monotonic()
+        if any(r.numa_pools for r in config.resources):
+            LOG.info("numaPools has no DRA counterpart: claims select NICs by resource.kubernetes.io/numaNode")
+        pc = pool_config(config)
+        self.pools = [ResourcePool(r, pc) for r in pc.resources]
+        self.discovery = Discovery(pc, self.pools, args.sysfs_root, args.dev_root)
+        self.inventory = Inventory(config, args.sysfs_root)
+        self._published = model.build(self.driver, self.node, config.mode, [], [], {})
+        self._published_lock = threading.Lock()
+        self._key: object = None
+        self.feed = HealthFeed()
+        self.first_published: float | None = None  # seconds from start to the first slices in the API
+        self.publisher = Publisher(client, self.driver, self.node, on_published=self._on_published)
+        state_dir = args.state_dir or os.path.join(args.kubelet_dir, "plugins", self.driver)
+        self.claims = Claims(client, self.driver, self.node, state_dir, args.cdi_dir, self.published, self.pools)
+        self.timings: list[float] = []
+        self.service = KubeletService(
+            self.driver, Paths.of(args.kubelet_dir, self.driver), self.claims, self.feed, self._registered
+        )
+        self.stop_event = threading.Event()
+        self._unregistered_since: float | None = time.time()
+
+    def published(self) -> model.Published:
+        with self._published_lock:
+            return self._published
+
+    def _on_published(self, seconds: float) -> None:
+        if self.first_published is None:
+            self.first_published = time.monotonic() - self.started
+            LOG.info("first ResourceSlices in the API", extra={"seconds_from_start": round(self.first_published, 3)})
+
+    def _registered(self, ok: bool) -> None:
+        self._unregistered_since = None if ok else (self._unregistered_since or time.time())
+        if ok:
+            self.publisher.poke()  # a kubelet (re)start wipes the node's slices: look now
+
+    def rebuild(self, force: bool = False) -> bool:
+        """Publish the model again when the pools or the topology changed; True when it did."""
+        key = (tuple((p.snapshot()[0], p.allocations_version) for p in self.pools), id(self.discovery.affinity))
+        if key == self._key and not force:
+            return False
+        self._key = key
+        views = self.inventory.views(self.pools, self.discovery.affinity)
+        try:
+            published = model.build(
+                self.driver,
+                self.node,
+                self.config.mode,
+                self.inventory.resources(),
+                views,
+                self.inventory.unhealthy_since,
+            )
+        except ValueError as exc:
+            LOG.error("cannot publish this node's NICs", extra={"error": str(exc)})
+            return False
+        with self._published_lock:
+            self._published = published
+        self.publisher.set_specs(published.specs())
+        self.feed.update([DeviceHealth(self.node, d, ok, why) for d, (ok, why) in published.health.items()])
+        return True
+
+    def _write_health(self, now: float) -> None:
+        if not self.args.health_file:
+            return
+        interval = self.config.health.interval_seconds
+        doc: dict[str, object] = {
+            "pid": os.getpid(),
+            "loops": {"probe": {"last": now, "max_age": max(60.0, 20 * interval)}},
+            "unregistered_since": {self.driver: self._unregistered_since} if self._unregistered_since else {},
+        }
+        write_health(self.args.health_file, doc)
+
+    def run(self) -> int:
+        self.discovery.full()
+        self.rebuild(force=True)
+        self.publisher.start()
+        self.service.start()
+        interval = self.config.health.interval_seconds
+        last_check = last_health = 0.0
+        try:
+            while not self.stop_event.wait(interval):
+                now = time.monotonic()
+                try:
+                    if not self.discovery.unchanged():
+                        self.discovery.probe()
+                    if now - last_check >= RELIST_CHECK_SECONDS:
+                        last_check = now
+                        self.discovery.check_devices()
+                    self.rebuild()
+                except Exception:
+                    LOG.exception("probe failed; the loop goes on")
+                if now - last_health >= 1.0:
+                    last_health = now
+                    self._write_health(time.time())
+        finally:
+            self.service.stop()
+            self.publisher.stop()
+            self.discovery.close()
+            if self.args.health_file:
+                remove_health(self.args.health_file)
+        LOG.info("stopped")
+        return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.node_name:
+        LOG.error("no node name: give --node-name or set NODE_NAME (the chart sets it from spec.nodeName)")
+        return 2
+    config = load_config(args.config)
+    try:
+        client = kubeapi.connect(args.kubeconfig)
+    except kubeapi.ConfigError as exc:
+        LOG.error("%s", exc)
+        return 2
+    driver = Driver(args, config, client)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        LOG.info("signal received, stopping", extra={"signal": signal.Signals(signum).name})
+        driver.stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    LOG.info(
+        "starting the DRA driver",
+        extra={
+            "driver": driver.driver,
+            "node": driver.node,
+            "mode": config.mode,
+            "resources": [r.name for r in config.resources],
+        },
+    )
+    return driver.run()

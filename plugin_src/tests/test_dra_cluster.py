@@ -1,0 +1,524 @@
+"""The DRA driver against the real v1.37.2 components: etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler (its DRA allocator decides every placement below) and, per node, kubelet-managers (the
+kubelet's DRA manager with its plugin watcher: registration, NodePrepareResources, health stream).
+
+The driver runs as a real process (``rdma-device-plugin dra``) on a fixture node, the DeviceClasses
+are the chart's (rendered by Helm's engine), pods and claims go through the API like any user's.
+One cluster per module (about 20 s to start); every test deletes what it created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from dra_support import (
+    DRIVER,
+    Api,
+    DraNode,
+    allocated_devices,
+    chart_objects,
+    claim,
+    kube_bin,
+    kube_cluster,
+    nic_is,
+    pod,
+    request,
+    running,
+    slice_devices,
+    unschedulable,
+    wait_for,
+)
+from gpu_dra_stub import DRIVER as GPU_DRIVER
+from gpu_dra_stub import GpuDraStub
+
+from rdma_device_plugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+from rdma_device_plugin.config import load_config_data
+from rdma_device_plugin.resources import ResourcePool
+
+# Each test waits for the real scheduler and kubelet with its own generous deadlines; the module's
+# cluster and nodes start in the first test's setup.
+pytestmark = pytest.mark.timeout(600)
+
+NIC = f"nic.{DRIVER}"
+EXCLUSIVE = f"nic-exclusive.{DRIVER}"
+TEST_LABEL = "rdma.lingjun.io/dra-test"
+NICS = ["mlx5_bond_0", "mlx5_bond_1", "mlx5_bond_2", "mlx5_bond_3"]
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="rdra-", dir="/tmp"))  # short: unix socket paths below it
+    yield d
+    if not os.environ.get("KEEP_DRA_WORKDIR"):  # set it to read the logs after a failure
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir: Path) -> Iterator[kube_cluster.Cluster]:
+    c = kube_cluster.Cluster(workdir / "cl", bin=kube_bin()).up()
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+@pytest.fixture(scope="module")
+def api(cluster: kube_cluster.Cluster) -> Api:
+    a = Api(cluster.kubeconfig)
+    for obj in chart_objects({"driver": "dra"}):
+        if obj["kind"] == "DeviceClass":
+            a.apply(obj)
+    a.apply(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": GPU_DRIVER},
+            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{GPU_DRIVER}"'}}]},
+        }
+    )
+    return a
+
+
+def _node(cluster: kube_cluster.Cluster, api: Api, workdir: Path, name: str, index: int, mode: str) -> DraNode:
+    n = DraNode(cluster, name, workdir / name, index=index, mode=mode).start_driver()
+    wait_for(f"{name}'s ResourceSlices", lambda: complete(api.slices(name)))
+    return n
+
+
+@pytest.fixture(scope="module")
+def shared(cluster: kube_cluster.Cluster, api: Api, workdir: Path) -> Iterator[DraNode]:
+    n = _node(cluster, api, workdir, "n1", 1, "shared")
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+@pytest.fixture(scope="module")
+def exclusive(cluster: kube_cluster.Cluster, api: Api, workdir: Path) -> Iterator[DraNode]:
+    n = _node(cluster, api, workdir, "n2", 2, "exclusive")
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+class Objects:
+    """What a test creates, deleted at its end: pods first (the kubelet unprepares their claims), then claims."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.pods: list[dict[str, Any]] = []
+        self.claims: list[dict[str, Any]] = []
+
+    def claim(self, name: str, *requests: dict[str, Any], constraints: list[dict[str, Any]] | None = None) -> str:
+        obj = claim(name, list(requests), constraints)
+        obj["metadata"]["labels"] = {TEST_LABEL: "true"}
+        self.api.create(obj)
+        self.claims.append(obj)
+        return name
+
+    def claims_alike(self, prefix: str, count: int, *requests: dict[str, Any]) -> tuple[str, ...]:
+        """``count`` claims ``<prefix><i>`` with the same requests, created by a few callers at once."""
+        with ThreadPoolExecutor(4) as pool:
+            return tuple(pool.map(lambda i: self.claim(f"{prefix}{i}", *requests), range(count)))
+
+    def pod(
+        self,
+        name: str,
+        node: DraNode,
+        claims: tuple[str, ...] = (),
+        limits: dict[str, str] | None = None,
+        grace: int | None = None,
+    ) -> str:
+        obj = pod(name, node.name, claims, limits, grace)
+        self.api.create(obj)
+        self.pods.append(obj)
+        return name
+
+    def delete_pod(self, name: str) -> None:
+        obj = next(p for p in self.pods if p["metadata"]["name"] == name)
+        self.api.delete(obj)
+        wait_for(f"pod {name} gone", lambda: self.api.pod(name) is None)
+        self.pods.remove(obj)
+
+    def cleanup(self) -> None:
+        for p in self.pods:
+            self.api.delete(p)
+        for p in self.pods:
+            wait_for(f"pod {p['metadata']['name']} gone", lambda p=p: self.api.pod(p["metadata"]["name"]) is None)
+        if self.claims:  # one call for all of them (a test may make a thousand)
+            self.api.client.request(
+                "DELETE",
+                "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims",
+                query={"labelSelector": TEST_LABEL},
+            )
+
+
+@pytest.fixture
+def objs(api: Api) -> Iterator[Objects]:
+    o = Objects(api)
+    try:
+        yield o
+    finally:
+        o.cleanup()
+
+
+def complete(slices: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The pool's slices when all of its newest generation are there (what the allocator uses)."""
+    if not slices:
+        return None
+    newest = max(s["spec"]["pool"]["generation"] for s in slices)
+    current = [s for s in slices if s["spec"]["pool"]["generation"] == newest]
+    return current if len(current) == current[0]["spec"]["pool"]["resourceSliceCount"] else None
+
+
+def attr(device: dict[str, Any], name: str) -> Any:
+    a = device["attributes"][name]
+    return next(iter(a.values()))
+
+
+# ------------------------------------------------------------------ slices
+
+
+def test_slices_published_and_republished_after_a_kubelet_restart(api: Api, shared: DraNode, objs: Objects) -> None:
+    before = wait_for("slices", lambda: complete(api.slices(shared.name)))
+    devices = slice_devices(before)
+    nics = [n.replace("_", "-") for n in NICS]
+    assert set(devices) == {*nics, *(f"{n}-x" for n in nics), "all-hca"}
+    d = devices["mlx5-bond-2"]
+    # What the fixture node's sysfs says about mlx5_bond_2: its PCI function, host bridge, NUMA node,
+    # the two GPUs under its switch, its bond and the IPv6 RoCE v2 GID of its compute address.
+    assert attr(d, "resource.kubernetes.io/pciBusID") == "0000:5a:00.0"
+    assert attr(d, "resource.kubernetes.io/pcieRoot") == "pci0000:55"
+    assert attr(d, "resource.kubernetes.io/numaNode") == 1
+    assert attr(d, "switchGpus") == "0000:58:00.0,0000:59:00.0"
+    assert (attr(d, "rdmaDevice"), attr(d, "netdev"), attr(d, "linkLayer")) == ("mlx5_bond_2", "bond2", "Ethernet")
+    assert attr(d, "gid") == "2408:4005:0300:0002:0000:0000:0000:0011" and attr(d, "gidIndex") == 3
+    assert d["allowMultipleAllocations"] and d["capacity"]["slots"]["value"] == "1k"
+    assert "allowMultipleAllocations" not in devices["mlx5-bond-2-x"]
+    assert attr(devices["all-hca"], "extendedResource") == "rdma/hca"
+
+    uids = {s["metadata"]["uid"] for s in before}
+    shared.node.crash()
+    shared.node.start()  # the kubelet's DRA manager deletes every slice of its node when it starts
+
+    def republished() -> list[dict[str, Any]] | None:
+        now = complete(api.slices(shared.name))
+        return now if now and not uids & {s["metadata"]["uid"] for s in now} else None
+
+    after = wait_for("the slices the kubelet's start deleted, published again", republished)
+    assert slice_devices(after) == devices
+    # ... and the kubelet registered the driver again: a new claim is allocated and prepared.
+    objs.claim("after-restart", request("nic", NIC, nic_is("mlx5_bond_0")))
+    objs.pod("after-restart", shared, ("after-restart",))
+    wait_for("the pod running", lambda: running(api, "after-restart"))
+    assert shared.got("after-restart")[0]["RDMA_DEVICES"] == "mlx5_bond_0"
+
+
+# ------------------------------------------------------------------ sharing
+
+
+@pytest.mark.timeout(1800)
+def test_1000_shared_claims_on_one_nic_then_the_1001st_is_refused(api: Api, shared: DraNode, objs: Objects) -> None:
+    """sharedDevices (1000) claims share mlx5_bond_3, 50 per pod; the real allocator refuses one more.
+
+    One pod at a time: kube-scheduler v1.37.2 counts a pod's claims twice while it binds them (its
+    in-flight allocations stay until PreBind ends, and the claims it already wrote are in its assume
+    cache too: ``claimTracker.GatherAllocatedState`` adds both into ``AggregatedCapacity``), so a pod
+    scheduled meanwhile near the budget is refused spuriously and parked until the next relevant event
+    or the 5-minute flush. docs/dra.md says so to operators."""
+    per_pod, pods = 50, 20
+    for p in range(pods):
+        names = objs.claims_alike(f"s{p}-", per_pod, request("nic", NIC, nic_is("mlx5_bond_3")))
+        objs.pod(f"share-{p}", shared, names)
+        wait_for(f"pod share-{p} running", lambda p=p: running(api, f"share-{p}"), timeout=300)
+    consumed = 0
+    for p in range(pods):
+        for i in range(per_pod):
+            result = api.claim(f"s{p}-{i}")["status"]["allocation"]["devices"]["results"]
+            assert [r["device"] for r in result] == ["mlx5-bond-3"]
+            consumed += int(result[0]["consumedCapacity"]["slots"])
+    assert consumed == 1000
+    assert len(shared.node.record("default", "share-7")["containers"]["c"]["cdi_devices"]) == per_pod  # type: ignore[index]
+
+    objs.claim("s-1001", request("nic", NIC, nic_is("mlx5_bond_3")))
+    objs.pod("share-1001", shared, ("s-1001",))
+    message = wait_for("the 1001st claim refused", lambda: unschedulable(api, "share-1001"))
+    assert "cannot allocate all claims" in message
+    assert allocated_devices(api, "s-1001") == []
+    # Refused for capacity alone: 50 shares freed, it gets its share.
+    objs.delete_pod("share-0")
+    wait_for("the 1001st claim allocated once shares were freed", lambda: running(api, "share-1001"), timeout=180)
+    assert allocated_devices(api, "s-1001") == ["mlx5-bond-3"]
+
+
+def test_an_exclusive_claim_never_shares_its_nic(api: Api, shared: DraNode, objs: Objects) -> None:
+    objs.claim("x0", request("nic", EXCLUSIVE, nic_is("mlx5_bond_0")))
+    objs.pod("x0", shared, ("x0",))
+    wait_for("the exclusive claim's pod running", lambda: running(api, "x0"))
+    assert allocated_devices(api, "x0") == ["mlx5-bond-0-x"]
+    # While it holds mlx5_bond_0: no share of it, and no rdma/hca pod (whose set holds every NIC).
+    objs.claim("s0", request("nic", NIC, nic_is("mlx5_bond_0")))
+    objs.pod("s0", shared, ("s0",))
+    objs.pod("hca", shared, limits={"rdma/hca": "1"})
+    # A share of another NIC is fine, and then that NIC cannot go exclusive.
+    objs.claim("s1", request("nic", NIC, nic_is("mlx5_bond_1")))
+    objs.pod("s1", shared, ("s1",))
+    wait_for("the share of mlx5_bond_1 running", lambda: running(api, "s1"))
+    objs.claim("x1", request("nic", EXCLUSIVE, nic_is("mlx5_bond_1")))
+    objs.pod("x1", shared, ("x1",))
+    for name in ("s0", "hca", "x1"):
+        assert "cannot allocate all claims" in wait_for(f"{name} refused", lambda n=name: unschedulable(api, n))
+    assert allocated_devices(api, "s0") == allocated_devices(api, "x1") == []
+    # The exclusive claim gone, the share and the rdma/hca pod get mlx5_bond_0 (x1 still cannot).
+    objs.delete_pod("x0")
+    objs.api.delete(claim("x0", []))
+    wait_for("the share running", lambda: running(api, "s0"), timeout=180)
+    wait_for("the rdma/hca pod running", lambda: running(api, "hca"), timeout=180)
+    assert allocated_devices(api, "s0") == ["mlx5-bond-0"]
+    assert unschedulable(api, "x1")
+
+
+# ------------------------------------------------------------------ rdma/hca pods unchanged
+
+
+def _device_plugin_env(node: DraNode, mode: str, nics: list[str]) -> dict[str, str]:
+    """What the device plugin's own pool hands a container given these NICs (its Allocate answer)."""
+    from rdma_device_plugin.node import sysfs
+
+    config = load_config_data({"version": "v1", "mode": mode})
+    pool = ResourcePool(config.resources[0], config)
+    found = sysfs.read_nics(node.fixture.sysfs, node.fixture.dev)
+    pool.set_nics(found)
+    ids = (
+        [d.id for d in pool.snapshot()[1]][:1] if mode == "shared" else [n.pci_address for n in found if n.name in nics]
+    )
+    return pool.allocate(ids).envs
+
+
+def test_rdma_hca_pod_in_shared_mode_gets_every_nic(api: Api, shared: DraNode, objs: Objects) -> None:
+    objs.pod("hca-shared", shared, limits={"rdma/hca": "1"})
+    p = wait_for("the rdma/hca pod running", lambda: running(api, "hca-shared"))
+    claim_name = p["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+    assert allocated_devices(api, claim_name) == ["all-hca"]
+    env, nodes = shared.got("hca-shared")
+    assert env["RDMA_DEVICES"] == ",".join(NICS)
+    assert env == _device_plugin_env(shared, "shared", NICS)  # exactly what the device plugin hands out
+    assert sorted(nodes) == sorted([f"/dev/infiniband/uverbs{i}" for i in range(4)] + ["/dev/infiniband/rdma_cm"])
+
+
+def test_rdma_hca_pod_in_exclusive_mode_gets_one_nic(api: Api, exclusive: DraNode, objs: Objects) -> None:
+    objs.pod("hca-excl", exclusive, limits={"rdma/hca": "1"})
+    objs.pod("hca-excl-2", exclusive, limits={"rdma/hca": "2"})
+    one = wait_for("the rdma/hca: 1 pod running", lambda: running(api, "hca-excl"))
+    two = wait_for("the rdma/hca: 2 pod running", lambda: running(api, "hca-excl-2"))
+    got1 = allocated_devices(api, one["status"]["extendedResourceClaimStatus"]["resourceClaimName"])
+    got2 = allocated_devices(api, two["status"]["extendedResourceClaimStatus"]["resourceClaimName"])
+    assert len(got1) == 1 and len(got2) == 2 and all(d.endswith("-x") for d in got1 + got2)
+    assert not set(got1) & set(got2)  # whole NICs: never the same one twice
+    env, nodes = exclusive.got("hca-excl")
+    nic = env["RDMA_DEVICES"]
+    assert nic in NICS and got1 == [nic.replace("_", "-") + "-x"]
+    assert env == _device_plugin_env(exclusive, "exclusive", [nic])
+    assert len([n for n in nodes if "uverbs" in n]) == 1
+    assert len(exclusive.got("hca-excl-2")[0]["RDMA_DEVICES"].split(",")) == 2
+
+
+# ------------------------------------------------------------------ alignment
+
+
+@pytest.fixture
+def gpus(api: Api, shared: DraNode) -> Iterator[GpuDraStub]:
+    stub = GpuDraStub(api.client, shared.name, str(shared.kubelet_dir), shared.fixture.sysfs).start()
+    wait_for("the GPU slice", lambda: api.slices(shared.name, GPU_DRIVER))
+    try:
+        yield stub
+    finally:
+        stub.stop()
+        stub.publisher.delete_all()
+
+
+def test_a_nic_aligned_with_a_gpu_by_pcie_root(api: Api, shared: DraNode, gpus: GpuDraStub, objs: Objects) -> None:
+    """The GPU on mlx5_bond_2's switch (0000:58:00.0), and a shared NIC matching its pcieRoot: the
+    allocator, which takes the first fitting NIC (mlx5_bond_0) without the constraint, must take mlx5_bond_2."""
+    gpu = request("gpu", GPU_DRIVER, 'device.attributes["resource.kubernetes.io"].pciBusID == "0000:58:00.0"')
+    match = [{"requests": ["gpu", "nic"], "matchAttribute": "resource.kubernetes.io/pcieRoot"}]
+    objs.claim("aligned", gpu, request("nic", NIC), constraints=match)
+    objs.claim("unaligned", request("nic", NIC))
+    objs.pod("aligned", shared, ("aligned",))
+    objs.pod("unaligned", shared, ("unaligned",))
+    wait_for("the aligned pod running (prepared by both drivers)", lambda: running(api, "aligned"))
+    wait_for("the unaligned pod running", lambda: running(api, "unaligned"))
+    results = api.claim("aligned")["status"]["allocation"]["devices"]["results"]
+    assert {r["request"]: (r["driver"], r["device"]) for r in results} == {
+        "gpu": (GPU_DRIVER, "gpu-4"),
+        "nic": (DRIVER, "mlx5-bond-2"),
+    }
+    assert allocated_devices(api, "unaligned") == ["mlx5-bond-0"]
+    assert shared.got("aligned")[0]["RDMA_DEVICES"] == "mlx5_bond_2"
+    assert [d.device for d in gpus.backend.prepared[api.claim("aligned")["metadata"]["uid"]]] == ["gpu-4"]
+
+
+def test_nics_asked_by_numa_node_and_rate(api: Api, shared: DraNode, gpus: GpuDraStub, objs: Objects) -> None:
+    numa1 = 'device.attributes["resource.kubernetes.io"].numaNode == 1'
+    fast = f'device.attributes["{DRIVER}"].rateGbps >= 200'
+    objs.claim("numa1", request("nic", NIC, numa1, fast))
+    # two GPUs and a NIC on one NUMA node, the GPUs on NUMA node 0 (the first GPUs)
+    same_numa = [{"requests": ["gpu", "nic"], "matchAttribute": "resource.kubernetes.io/numaNode"}]
+    gpu0 = request("gpu", GPU_DRIVER, 'device.attributes["resource.kubernetes.io"].numaNode == 0')
+    objs.claim("numa-gpu", gpu0, request("nic", EXCLUSIVE), constraints=same_numa)
+    objs.pod("numa1", shared, ("numa1",))
+    objs.pod("numa-gpu", shared, ("numa-gpu",))
+    wait_for("both pods running", lambda: running(api, "numa1") and running(api, "numa-gpu"))
+    assert allocated_devices(api, "numa1")[0] in ("mlx5-bond-2", "mlx5-bond-3")
+    nic = [r for r in api.claim("numa-gpu")["status"]["allocation"]["devices"]["results"] if r["request"] == "nic"]
+    assert nic[0]["device"] in ("mlx5-bond-0-x", "mlx5-bond-1-x")
+    slow = f'device.attributes["{DRIVER}"].rateGbps >= 400'
+    objs.claim("too-slow", request("nic", NIC, slow))
+    objs.pod("too-slow", shared, ("too-slow",))
+    assert "cannot allocate all claims" in wait_for("no 400G NIC", lambda: unschedulable(api, "too-slow"))
+
+
+# ------------------------------------------------------------------ health
+
+
+def _taints(api: Api, node: DraNode) -> dict[str, list[str]]:
+    slices = complete(api.slices(node.name)) or []
+    return {name: [t["value"] for t in d.get("taints", [])] for name, d in slice_devices(slices).items()}
+
+
+def test_a_nic_going_down_stops_new_allocations(api: Api, shared: DraNode, objs: Objects) -> None:
+    objs.claim("holder", request("nic", NIC, nic_is("mlx5_bond_1")))
+    objs.pod("holder", shared, ("holder",))
+    wait_for("the holder running", lambda: running(api, "holder"))
+    shared.fixture.set_port_state("mlx5_bond_1", "DOWN")
+    try:
+        taints = wait_for("mlx5_bond_1 tainted", lambda: (t := _taints(api, shared))["mlx5-bond-1"] and t)
+        assert taints["mlx5-bond-1"] == taints["mlx5-bond-1-x"] == ["port-down"]
+        assert taints["all-hca"] == ["port-down"]  # health.policy all: the set is unhealthy with one NIC down
+        assert taints["mlx5-bond-0"] == []
+        objs.claim("late", request("nic", NIC, nic_is("mlx5_bond_1")))
+        objs.pod("late", shared, ("late",))
+        objs.claim("other", request("nic", NIC, nic_is("mlx5_bond_0")))
+        objs.pod("other", shared, ("other",))
+        objs.pod("hca-late", shared, limits={"rdma/hca": "1"})
+        wait_for("a claim for another NIC allocated", lambda: running(api, "other"))
+        for name in ("late", "hca-late"):
+            assert "cannot allocate all claims" in wait_for(f"{name} refused", lambda n=name: unschedulable(api, n))
+
+        # The pod that holds it keeps it, and hears of it through the kubelet's health stream.
+        def unhealthy() -> list[Any] | None:
+            st = (api.pod("holder") or {}).get("status", {}).get("containerStatuses", [{}])[0]
+            found = [r for s in st.get("allocatedResourcesStatus", []) for r in s["resources"]]
+            return found if found and all(r["health"] == "Unhealthy" for r in found) else None
+
+        wait_for("the holder's allocatedResourcesStatus Unhealthy", unhealthy)
+        assert running(api, "holder")
+    finally:
+        shared.fixture.set_port_state("mlx5_bond_1", "ACTIVE")
+    wait_for("the taints gone", lambda: not any(_taints(api, shared).values()))
+    wait_for(
+        "the refused pods scheduled once the port is ACTIVE",
+        lambda: running(api, "late") and running(api, "hca-late"),
+        timeout=180,
+    )
+
+
+# ------------------------------------------------------------------ prepare / unprepare
+
+
+def _prepare(node: DraNode, uid: str, name: str, beta: bool = False) -> Any:
+    sock = node.kubelet_dir / "plugins" / DRIVER / "dra.sock"
+    pb, stub = (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc) if beta else (dra_v1_pb2, dra_v1_pb2_grpc)
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        req = pb.NodePrepareResourcesRequest(claims=[pb.Claim(namespace="default", uid=uid, name=name)])
+        return stub.DRAPluginStub(ch).NodePrepareResources(req, timeout=30).claims[uid]
+
+
+def _unprepare(node: DraNode, uid: str, name: str) -> Any:
+    sock = node.kubelet_dir / "plugins" / DRIVER / "dra.sock"
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        req = dra_v1_pb2.NodeUnprepareResourcesRequest(
+            claims=[dra_v1_pb2.Claim(namespace="default", uid=uid, name=name)]
+        )
+        return dra_v1_pb2_grpc.DRAPluginStub(ch).NodeUnprepareResources(req, timeout=30).claims[uid]
+
+
+def _devices(answer: Any) -> list[tuple[str, ...]]:
+    return [(d.pool_name, d.device_name, *d.request_names, *d.cdi_device_ids) for d in answer.devices]
+
+
+def test_prepare_and_unprepare_are_idempotent(api: Api, exclusive: DraNode, objs: Objects) -> None:
+    objs.claim("idem", request("nic", EXCLUSIVE, nic_is("mlx5_bond_0")))
+    objs.pod("idem", exclusive, ("idem",), grace=0)
+    wait_for("the pod running", lambda: running(api, "idem"))
+    uid = api.claim("idem")["metadata"]["uid"]
+    cdi = exclusive.cdi_dir / f"{DRIVER}-claim_{uid}.json"
+    record = exclusive.state_dir / "claims" / f"{uid}.json"
+    spec = json.loads(cdi.read_text())
+    kubelet_got = exclusive.node.record("default", "idem")["containers"]["c"]["cdi_devices"]  # type: ignore[index]
+
+    first = _prepare(exclusive, uid, "idem")
+    assert not first.error and [d.cdi_device_ids[0] for d in first.devices] == kubelet_got
+    assert _devices(_prepare(exclusive, uid, "idem", beta=True)) == _devices(first)  # v1beta1: the same
+    # The driver restarted (an upgrade): the record answers, the CDI spec is untouched.
+    mtime = cdi.stat().st_mtime_ns
+    exclusive.stop_driver()
+    exclusive.start_driver()
+    wait_for("the driver serving again", (exclusive.kubelet_dir / "plugins" / DRIVER / "dra.sock").exists)
+    assert _devices(wait_for("prepare after the restart", lambda: _retry_prepare(exclusive, uid, "idem"))) == _devices(
+        first
+    )
+    assert cdi.stat().st_mtime_ns == mtime and json.loads(cdi.read_text()) == spec
+
+    assert not _unprepare(exclusive, uid, "idem").error
+    assert not cdi.exists() and not record.exists()
+    assert not _unprepare(exclusive, uid, "idem").error  # again: nothing to do, no error
+    again = _prepare(exclusive, uid, "idem")  # prepared anew from the API: the same answer and spec
+    assert _devices(again) == _devices(first) and json.loads(cdi.read_text()) == spec
+
+    # Deleted at once (grace 0), right after the driver's restart: the kubelet unprepares the claim of
+    # a pod already gone from the API (retried until the driver is registered again).
+    objs.delete_pod("idem")
+    wait_for("the kubelet's unprepare", lambda: not cdi.exists() and not record.exists())
+    assert not [f for f in os.listdir(exclusive.cdi_dir) if uid in f]
+
+
+def _retry_prepare(node: DraNode, uid: str, name: str) -> Any:
+    try:
+        return _prepare(node, uid, name)
+    except grpc.RpcError:
+        return None
+
+
+def test_prepare_names_a_nic_that_is_down_or_vanished(api: Api, exclusive: DraNode, objs: Objects) -> None:
+    objs.claim("down", request("nic", EXCLUSIVE, nic_is("mlx5_bond_2")))
+    objs.claim("gone", request("nic", EXCLUSIVE, nic_is("mlx5_bond_3")))
+    objs.pod("down", exclusive, ("down",))
+    objs.pod("gone", exclusive, ("gone",))
+    wait_for("both pods running", lambda: running(api, "down") and running(api, "gone"))
+    down_uid, gone_uid = api.claim("down")["metadata"]["uid"], api.claim("gone")["metadata"]["uid"]
+    # As if never prepared on this node (a new pod of the claim): prepare again after the NIC failed.
+    assert not _unprepare(exclusive, down_uid, "down").error and not _unprepare(exclusive, gone_uid, "gone").error
+    exclusive.fixture.set_port_state("mlx5_bond_2", "DOWN")
+    exclusive.fixture.remove_nic("mlx5_bond_3")
+    try:
+        wait_for("both NICs tainted", lambda: (t := _taints(api, exclusive))["mlx5-bond-2-x"] and t["mlx5-bond-3-x"])
+        assert _taints(api, exclusive)["mlx5-bond-3-x"] == ["gone"]
+        down = _prepare(exclusive, down_uid, "down")
+        gone = _prepare(exclusive, gone_uid, "gone")
+        assert "NIC mlx5_bond_2 (device mlx5-bond-2-x) is not usable: port 1 DOWN (not ACTIVE)" in down.error
+        assert "NIC mlx5_bond_3 (device mlx5-bond-3-x) is not usable: NIC gone from sysfs" in gone.error
+        assert not down.devices and not gone.devices
+    finally:
+        exclusive.fixture.set_port_state("mlx5_bond_2", "ACTIVE")

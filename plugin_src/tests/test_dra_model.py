@@ -1,0 +1,117 @@
+"""The DRA device model (pure): names the API accepts, the counters that keep a NIC's views apart, which
+view serves the extended resource in each mode, taints. The real allocator's verdicts on it are in
+test_dra_cluster.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from rdma_device_plugin.dra import model
+from rdma_device_plugin.health import NicHealth
+from rdma_device_plugin.node import fixtures, sysfs
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def views(tmp_path: object, nics: int = 4, down: tuple[str, ...] = ()) -> list[model.NicView]:
+    node = fixtures.write_node(str(tmp_path), fixtures.lingjun_node(nics=nics))
+    for name in down:
+        node.set_port_state(name, "DOWN")
+    found = sysfs.read_nics(node.sysfs, node.dev)
+    return [
+        model.NicView(n, NicHealth(True, tuple(p.state for p in n.ports)), "rdma/hca", f"pci0000:{i:02x}")
+        for i, n in enumerate(found)
+    ]
+
+
+def test_device_names_are_dns_labels_unique_and_stable() -> None:
+    names = model.device_names(["mlx5_bond_0", "MLX5-bond-0", "mlx5_0", "roce\\xff0", "\\xfe", "a-x", "a"])
+    assert names["mlx5_bond_0"] == "mlx5-bond-0" and names["mlx5_0"] == "mlx5-0"
+    assert all(DNS_LABEL.fullmatch(n) for n in names.values())
+    labels = list(names.values())
+    # Unique, also against every NIC's exclusive view (<name>-x): "a-x" must not be "a"'s exclusive view.
+    assert len(set(labels) | {n + model.EXCLUSIVE_SUFFIX for n in labels}) == 2 * len(labels)
+    assert model.device_names(["MLX5-bond-0", "mlx5_bond_0"]) == {k: names[k] for k in ("MLX5-bond-0", "mlx5_bond_0")}
+    assert model.device_names(["all_hca"], reserved=["all-hca"])["all_hca"] != "all-hca"
+
+
+@pytest.mark.parametrize(
+    ("rate", "gbps"),
+    [("200 Gb/sec (4X HDR)", 200.0), ("400 Gb/sec (4X NDR)", 400.0), ("2.5 Gb/sec (1X SDR)", 2.5), ("", None)],
+)
+def test_rate(rate: str, gbps: float | None) -> None:
+    assert model.rate_gbps(rate) == gbps
+
+
+@pytest.mark.parametrize(
+    ("health", "value"),
+    [
+        (NicHealth(False, ()), "gone"),
+        (NicHealth(True, ()), "no-ports"),
+        (NicHealth(True, ("ACTIVE", "DOWN")), "port-down"),
+        (NicHealth(True, ("INIT",)), "port-init"),
+        (NicHealth(True, ("ACTIVE",), uverbs=False), "no-uverbs"),
+    ],
+)
+def test_taint_values_say_why(health: NicHealth, value: str) -> None:
+    assert model.taint_value(health) == value
+
+
+def test_counters_keep_the_views_of_a_nic_apart(tmp_path: object) -> None:
+    r = model.ResourceView("rdma/hca", 1000, "all")
+    pub = model.build("rdma.lingjun.io", "node-a", "shared", [r], views(tmp_path), {})
+    assert pub.counters is not None
+    counters = pub.counters["sharedCounters"][0]["counters"]
+    devices = {d["name"]: d for d in pub.devices["devices"]}
+    assert counters == {f"mlx5-bond-{i}": {"value": "2"} for i in range(4)}  # its shared view + the set
+    for i in range(4):
+        nic = f"mlx5-bond-{i}"
+        (shared,) = devices[nic]["consumesCounters"]
+        (excl,) = devices[nic + "-x"]["consumesCounters"]
+        assert shared["counters"] == {nic: {"value": "1"}} and devices[nic]["allowMultipleAllocations"]
+        assert excl["counters"] == {nic: {"value": "2"}} and "allowMultipleAllocations" not in devices[nic + "-x"]
+    (whole,) = devices["all-hca"]["consumesCounters"]
+    assert whole["counters"] == {f"mlx5-bond-{i}": {"value": "1"} for i in range(4)}
+    assert pub.devices["pool"] == pub.counters["pool"] == {"name": "node-a", "generation": 1, "resourceSliceCount": 2}
+    assert pub.refs["all-hca"].nics == tuple(f"mlx5_bond_{i}" for i in range(4))
+
+
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+def test_the_mode_decides_which_view_serves_the_extended_resource(tmp_path: object, mode: str) -> None:
+    pub = model.build("d.example.com", "n", mode, [model.ResourceView("rdma/hca", 10, "all")], views(tmp_path), {})
+    serving = sorted(d["name"] for d in pub.devices["devices"] if "extendedResource" in d["attributes"])
+    expected = ["all-hca"] if mode == "shared" else [f"mlx5-bond-{i}-x" for i in range(4)]
+    assert serving == expected
+
+
+def test_a_nic_down_taints_its_views_and_the_set_by_policy(tmp_path: object) -> None:
+    vs = views(tmp_path, down=("mlx5_bond_1",))
+    since = {"mlx5_bond_1": "2026-01-01T00:00:00Z"}
+    for policy, set_tainted in (("all", True), ("any", False)):
+        pub = model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, policy)], vs, since)
+        taints = {d["name"]: d.get("taints", []) for d in pub.devices["devices"]}
+        bad = {
+            "key": "rdma.lingjun.io/unhealthy",
+            "value": "port-down",
+            "effect": "NoSchedule",
+            "timeAdded": since["mlx5_bond_1"],
+        }
+        assert taints["mlx5-bond-1"] == taints["mlx5-bond-1-x"] == [bad]
+        assert taints["mlx5-bond-0"] == []
+        assert bool(taints["all-hca"]) is set_tainted
+        assert pub.health["mlx5-bond-1"] == (False, "port 1 DOWN (not ACTIVE)")
+
+
+def test_too_many_nics_is_a_clear_error_and_no_nic_publishes_an_empty_pool(tmp_path: object) -> None:
+    many = views(tmp_path, nics=4) * 9  # 36 views
+    many = [
+        model.NicView(v.nic.__class__(**{**v.nic.__dict__, "name": f"n{i}"}), v.health, v.resource)
+        for i, v in enumerate(many)
+    ]
+    with pytest.raises(ValueError, match="at most 32"):
+        model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, "all")], many, {})
+    empty = model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, "all")], [], {})
+    assert empty.counters is None and empty.devices["devices"] == []
+    assert empty.devices["pool"]["resourceSliceCount"] == 1 and list(empty.specs()) == ["devices"]

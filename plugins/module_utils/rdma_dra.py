@@ -1,0 +1,95 @@
+# Copyright: rdma-device-plugin maintainers; Apache-2.0
+"""What a node's ResourceSlices say, for the verify of the DRA path (pure logic, no I/O).
+
+A node passes when the driver's pool of that node (``spec.pool.name`` = the node) is complete (every
+slice of its newest generation is there: ``resourceSliceCount``, the rule the scheduler's allocator
+uses) and it has devices, none tainted by the driver (a NIC down or gone: the taint's value says
+which and why).
+"""
+
+from __future__ import annotations
+
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import Verdict
+
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+class PoolView(object):
+    def __init__(self, generation, slices, expected, devices, tainted):
+        self.generation = generation
+        self.slices = slices
+        self.expected = expected
+        self.devices = devices  # device names of the newest generation
+        self.tainted = tainted  # device -> "key=value:effect" of its taints
+
+    @property
+    def complete(self):
+        return self.slices == self.expected
+
+
+def pools(slices):
+    """node -> PoolView of the newest generation of that node's pool."""
+    by_node = {}
+    for s in slices:
+        spec = s.get("spec") or {}
+        node = spec.get("nodeName") or (spec.get("pool") or {}).get("name")
+        if node:
+            by_node.setdefault(node, []).append(spec)
+    out = {}
+    for node, specs in by_node.items():
+        top = max(int(sp["pool"].get("generation", 0)) for sp in specs)
+        current = [sp for sp in specs if int(sp["pool"].get("generation", 0)) == top]
+        devices, tainted = [], {}
+        for sp in current:
+            for d in sp.get("devices") or []:
+                devices.append(d["name"])
+                if d.get("taints"):
+                    tainted[d["name"]] = ",".join(
+                        "%s=%s:%s" % (t.get("key"), t.get("value", ""), t.get("effect")) for t in d["taints"]
+                    )
+        expected = int(current[0]["pool"].get("resourceSliceCount", 1))
+        out[node] = PoolView(top, len(current), expected, sorted(devices), tainted)
+    return out
+
+
+def verdict(node, view, driver, release):
+    """Whether ``node`` publishes its NICs through ``driver``, and what to do when not."""
+    if view is None:
+        return Verdict(
+            False,
+            "node %s: no ResourceSlice of driver %s. Next: is the DRA driver running there (label "
+            "rdma.lingjun.io/driver=dra or driver: dra; kubectl -n <namespace> get pods -l "
+            "app.kubernetes.io/instance=%s,app.kubernetes.io/component=dra-driver -o wide and its log)?"
+            % (node, driver, release),
+            False,
+        )
+    if not view.complete:
+        return Verdict(
+            False,
+            "node %s: the pool of %s is incomplete (%d of %d slices of generation %d): the driver is writing it, "
+            "or the kubelet removed them (it does at its start and 30 s after the driver stopped)"
+            % (node, driver, view.slices, view.expected, view.generation),
+            False,
+        )
+    if not view.devices:
+        return Verdict(
+            False,
+            "node %s: the driver %s publishes no device: no NIC matches the selectors (rdma-device-plugin discover "
+            "on the node)" % (node, driver),
+            False,
+        )
+    if view.tainted:
+        shown = "; ".join("%s (%s)" % kv for kv in sorted(view.tainted.items()))
+        return Verdict(
+            False,
+            "node %s: %d of %d devices of %s tainted, new claims stay away from them: %s. Next: the NIC's port "
+            "state and link (rdma-device-plugin discover on the node)"
+            % (node, len(view.tainted), len(view.devices), driver, shown),
+            False,
+        )
+    return Verdict(
+        True,
+        "node %s: %d devices of %s published (generation %d, %d slice(s)), none tainted"
+        % (node, len(view.devices), driver, view.generation, view.slices),
+        False,
+    )

@@ -1,0 +1,138 @@
+"""The automation's DRA path (rdma_driver: dra): deploy renders the DRA driver, and verify judges every
+node by its ResourceSlices and runs a test claim, against the real v1.37.2 control plane with one node
+running the driver (kubelet-managers + ``rdma-device-plugin dra``) and one without it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import ROOT, run_playbook
+
+sys.path.insert(0, str(ROOT / "plugin_src" / "tests"))
+import dra_support as ds
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_dra import pools, verdict
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _slice(
+    node: str, gen: int, count: int, devices: list[dict[str, Any]] | None, counters: bool = False
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "driver": "d",
+        "nodeName": node,
+        "pool": {"name": node, "generation": gen, "resourceSliceCount": count},
+    }
+    if counters:
+        spec["sharedCounters"] = [{"name": "nics", "counters": {"a": {"value": "2"}}}]
+    else:
+        spec["devices"] = devices or []
+    return {"spec": spec}
+
+
+def test_verdicts_from_slices() -> None:
+    down = {
+        "name": "a-x",
+        "taints": [{"key": "rdma.lingjun.io/unhealthy", "value": "port-down", "effect": "NoSchedule"}],
+    }
+    seen = pools(
+        [
+            _slice("ok", 2, 2, [{"name": "a"}, {"name": "a-x"}]),
+            _slice("ok", 2, 2, None, counters=True),
+            _slice("ok", 1, 2, [{"name": "old"}]),  # an older generation does not count
+            _slice("half", 3, 2, [{"name": "a"}]),  # its counters slice is missing
+            _slice("tainted", 1, 1, [{"name": "a"}, down]),
+            _slice("empty", 1, 1, []),
+        ]
+    )
+    assert seen["ok"].devices == ["a", "a-x"] and seen["ok"].complete
+    v = {n: verdict(n, seen.get(n), "d", "rdma") for n in ("ok", "half", "tainted", "empty", "none")}
+    assert v["ok"].ok and "2 devices of d published (generation 2, 2 slice(s)), none tainted" in v["ok"].msg
+    assert not v["half"].ok and "incomplete (1 of 2 slices of generation 3)" in v["half"].msg
+    assert not v["tainted"].ok and "a-x (rdma.lingjun.io/unhealthy=port-down:NoSchedule)" in v["tainted"].msg
+    assert not v["empty"].ok and "publishes no device" in v["empty"].msg
+    assert not v["none"].ok and "no ResourceSlice of driver d" in v["none"].msg
+
+
+@pytest.fixture(scope="module")
+def cluster_with_nodes() -> Iterator[tuple[ds.kube_cluster.Cluster, Path]]:
+    ds.kube_bin()
+    work = Path(tempfile.mkdtemp(prefix="rdra-ans-", dir="/tmp"))
+    cluster = ds.kube_cluster.Cluster(work / "cl").up()
+    nodes: list[ds.DraNode] = []
+    try:
+        api = ds.Api(cluster.kubeconfig)
+        for obj in ds.chart_objects({"driver": "dra"}):
+            if obj["kind"] == "DeviceClass":
+                api.apply(obj)
+        nodes.append(ds.DraNode(cluster, "d1", work / "d1", index=1).start_driver())
+        nodes.append(ds.DraNode(cluster, "d2", work / "d2", index=2))  # joined, no driver
+        ds.wait_for("d1's slices", lambda: len(api.slices("d1")) == 2)
+        yield cluster, work
+    finally:
+        for n in nodes:
+            n.close()
+        cluster.down()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _inventory(work: Path, cluster: ds.kube_cluster.Cluster, **extra: Any) -> Path:
+    inv = work / "inventory" / "hosts.yml"
+    inv.parent.mkdir(parents=True, exist_ok=True)
+    group_vars = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+        "rdma_deploy_target": "cluster",
+        "rdma_kubeconfig": str(cluster.kubeconfig),
+        "rdma_driver": "dra",
+        "rdma_output_dir": str(work / "out"),
+        "plugin_verify_timeout": 20,
+        "plugin_verify_timeout_per_wave": 0,
+        "plugin_verify_poll_interval": 1,
+        **extra,
+    }
+    doc = {"all": {"vars": group_vars, "children": {"rdma_nodes": {"hosts": {"d1": {}, "d2": {}}}}}}
+    inv.write_text(yaml.safe_dump(doc))
+    return inv
+
+
+def test_verify_judges_each_node_by_its_slices_and_a_test_claim(cluster_with_nodes: tuple[Any, Path]) -> None:
+    cluster, work = cluster_with_nodes
+    inv = _inventory(
+        work, cluster, plugin_verify_test_job=True, plugin_verify_test_job_image="registry.example.com/rdma/check:1"
+    )
+    run = run_playbook("-i", str(inv), "playbooks/verify.yml")
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out
+    verdicts = {h: json.loads((work / "out" / "verify" / "verdicts" / f"{h}.json").read_text()) for h in ("d1", "d2")}
+    assert verdicts["d1"]["ok"], verdicts["d1"]
+    assert "test claim: rdma/hca 1 allocated d1/all-hca and prepared (pod Running)" in verdicts["d1"]["msg"]
+    assert not verdicts["d2"]["ok"] and "node d2: no ResourceSlice of driver rdma.lingjun.io" in verdicts["d2"]["msg"]
+    recap = dict(re.findall(r"^(d[12])\s+: ok=\d+.*?failed=(\d+)", out, flags=re.M))
+    assert recap == {"d1": "0", "d2": "1"}, out  # each node host with its own verdict
+    api = ds.Api(cluster.kubeconfig)
+    left = api.get("/api/v1/namespaces/default/pods", labelSelector="rdma.lingjun.io/dra-verify")["items"]
+    assert not [p for p in left if not p["metadata"].get("deletionTimestamp")]  # the test pods are deleted
+
+
+def test_deploy_renders_the_dra_driver(cluster_with_nodes: tuple[Any, Path]) -> None:
+    cluster, work = cluster_with_nodes
+    inv = _inventory(work, cluster, plugin_deploy_render_only=True)
+    run = run_playbook("-i", str(inv), "playbooks/deploy.yml")
+    assert run.returncode == 0, run.stdout + run.stderr
+    docs = [
+        d for f in sorted((work / "out" / "manifests").rglob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d
+    ]
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("DaemonSet", "rdma-rdma-device-plugin-shared-dra") in names
+    assert ("DeviceClass", "rdma-hca.extended.rdma.lingjun.io") in names
+    assert ("ClusterRole", "rdma-rdma-device-plugin-dra") in names
