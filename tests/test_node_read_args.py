@@ -152,3 +152,18 @@ def test_a_failed_read_fails_the_role_only_with_rdma_validation_fail(tmp_path: P
     else:
         assert run.returncode == 0 and not read_failed, out[-3000:]
         assert re.search(r"node-gone\s*: ok=\d+ .*failed=0", out), out[-3000:]
+
+
+@pytest.mark.parametrize("fail", [True, False])
+def test_an_unreachable_node_stops_the_role_only_with_rdma_validation_fail(tmp_path: Path, fail: bool) -> None:
+    """ignore_unreachable now comes from the role's import of the read (inherited), not from the read task."""
+    (tmp_path / "play.yml").write_text(PLAY)
+    refused = {"ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": 1}  # refused at once
+    variables = {"rdma_output_dir": str(tmp_path / "out"), "rdma_validation_fail": fail}
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": {"node-gone": refused}, "vars": variables}}))
+    run = run_playbook("-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml"))
+    out = run.stdout + run.stderr
+    if fail:
+        assert run.returncode == 4 and re.search(r"node-gone\s*: .*unreachable=1 ", out), out[-3000:]
+    else:
+        assert run.returncode == 0 and re.search(r"node-gone\s*: .*unreachable=0 .*ignored=1", out), out[-3000:]
