@@ -1,4 +1,12 @@
-"""Controller side of the rdma_node_info module: the port counters the previous run stored for the node.
+"""Controller side of the rdma_node_info module: its arguments from the role variables, and the port
+counters the previous run stored for the node.
+
+A task without arguments (roles/rdma_nic_validate/tasks/read.yml, the one node read of the role and of
+playbooks/validate.yml) gets them from the rdma_nic_validate / ipv6_compute_validate / rdma_node_facts
+variables (plugin_utils/rdma_node_read.py: in Python, not a Jinja template that every host's worker would
+compile again). In the fleet path
+(``__rdma_nic_validate_fleet``) and with ``rdma_validation_fail: false`` a failed read is returned as not
+failed (its ``msg`` kept): the report lists the node as not validated, then the enforce play fails it.
 
 With ``counter_baseline_dir`` (playbooks/validate.yml: ``<rdma_validation_report_dir>/counters``, under
 out/<inventory>/ by default), this action reads ``<dir>/<inventory host>.json`` - what the module
@@ -18,6 +26,7 @@ from urllib.parse import quote
 
 from ansible.plugins.action import ActionBase
 from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_action import execute_beside
+from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_node_read import fails_on_read_error, role_args
 
 MODULE = "rdma_node_info"
 
@@ -57,7 +66,7 @@ class ActionModule(ActionBase):
     def run(self, tmp=None, task_vars=None):
         result = super().run(tmp, task_vars)
         del tmp
-        args = dict(self._task.args)
+        args = dict(self._task.args) or role_args(self._templar, task_vars)
         directory = args.pop("counter_baseline_dir", None)
         path = None
         if directory:
@@ -72,4 +81,6 @@ class ActionModule(ActionBase):
         # --check writes nothing: ansible_check_mode is the run's, whatever the read task's own check_mode: false
         if path and following is not None and not result.get("failed") and not task_vars.get("ansible_check_mode"):
             store(path, following)
+        if result.get("failed") and not self._task.args and not fails_on_read_error(self._templar, task_vars):
+            result["failed"] = False  # listed as not validated by the report, failed by the enforce play
         return result

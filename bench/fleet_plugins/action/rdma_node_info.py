@@ -4,8 +4,9 @@ Per distinct set of module arguments (one per fixture node) the real module runs
 first host that asks; its result is kept in a file and every later host with the same
 arguments gets that result with its own ``record_host`` (the only per-host argument) put back.
 So each host's task result is exactly what rdma_node_info returned for its fixture node,
-without a module process per host; the templating of the task's arguments, the result
-processing on the controller (register, facts) and every other task of the play stay real.
+without a module process per host; the arguments taken from the role variables (as the real action
+plugin does: plugin_utils/rdma_node_read.py), the result processing on the controller (register,
+facts) and every other task of the play stay real.
 Enabled only by bench/fleet.py's shadow of the lingjun.rdma collection (``fake_collection``: the
 repository's collection with this file as plugins/action/rdma_node_info.py, first on
 ANSIBLE_COLLECTIONS_PATH and the collections/ beside the playbooks it runs): an action plugin named
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible.plugins.action import ActionBase
+from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_node_read import role_args
 
 PLACEHOLDER = "@@rdma-fleet-record-host@@"
 
@@ -31,7 +33,7 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ansible-core ships no t
 
     def run(self, tmp: Any = None, task_vars: Any = None) -> dict[str, Any]:
         result: dict[str, Any] = super().run(tmp, task_vars)
-        args = dict(self._task.args)
+        args = dict(self._task.args) or role_args(self._templar, task_vars)
         host = args.pop("record_host", None)
         args.pop("counter_baseline_dir", None)  # the real action plugin's file per host: not kept here
         key = hashlib.sha256(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()
