@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "plugin_src" / "tests"))
 
 import dra_support as ds  # noqa: E402
+
 from rdma_device_plugin.api import dra_v1_pb2 as pb  # noqa: E402
 from rdma_device_plugin.api import dra_v1_pb2_grpc as pb_grpc  # noqa: E402
 

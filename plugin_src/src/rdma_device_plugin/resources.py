@@ -157,6 +157,7 @@ class PoolView:
 
     rules: Rules
     version: int  # bumped when the device list changes (the streams send on a new version)
+    nic_set: int  # bumped when a re-list changes the NICs (their names, facts and answers)
     devices: tuple[Device, ...]
     device_ids: frozenset[str]
     message: bytes  # the ListAndWatchResponse of ``devices`` on the wire
@@ -267,6 +268,7 @@ class ResourcePool:
         self._gone_since: dict[str, float] = {}
         self.vanish_grace = config.health.vanish_grace_seconds
         self._version = 0
+        self._nic_set = 0
         self._devices: tuple[Device, ...] = ()
         self._device_ids: frozenset[str] = frozenset()
         # What Allocate hands out, by allocation key, and the gRPC layer's responses: one pair of
@@ -329,6 +331,7 @@ class ResourcePool:
     def _relisted(self) -> None:
         """The NICs changed: read their GID facts, build the answers of a shared pool now rather
         than at the first Allocate, and say once what its env leaves unset."""
+        self._nic_set += 1
         self._facts = {key: nccl_env.nic_facts(nic, self.rules.env_settings) for key, nic in self._nics.items()}
         self._answers, self._responses = {}, {}  # names, char devices or GIDs changed
         if self.mode == "shared":
@@ -494,6 +497,7 @@ class ResourcePool:
         return PoolView(
             rules=self.rules,
             version=self._version,
+            nic_set=self._nic_set,
             devices=devices,
             device_ids=self._device_ids,
             message=message,

@@ -89,7 +89,7 @@ class Driver:
 
     def rebuild(self, force: bool = False) -> bool:
         """Publish the model again when the pools or the topology changed; True when it did."""
-        key = (tuple((p.snapshot()[0], p.allocations_version) for p in self.pools), id(self.discovery.affinity))
+        key = (tuple((p.view.version, p.view.nic_set) for p in self.pools), id(self.discovery.affinity))
         if key == self._key and not force:
             return False
         self._key = key

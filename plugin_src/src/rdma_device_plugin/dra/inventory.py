@@ -11,11 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from rdma_node import pcie
+from rdma_node.sysfs import Nic
+
 from .. import nccl_env
 from ..affinity import NodeAffinity
 from ..config import PluginConfig
-from ..node import pcie
-from ..node.sysfs import Nic
 from ..resources import ResourcePool, nic_identity
 from .model import NicView, ResourceView
 

@@ -38,8 +38,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rdma_node.sysfs import Nic
+
 from ..health import NicHealth
-from ..node.sysfs import Nic
 
 STANDARD = "resource.kubernetes.io"
 PCI_BUS_ID = f"{STANDARD}/pciBusID"
