@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from rdma_device_plugin.dra import kubeapi
-from rdma_device_plugin.node import fixtures
+from rdma_node import fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rdma-device-plugin"

@@ -17,7 +17,7 @@ from rdma_device_plugin.dra.claims import PreparedDevice
 from rdma_device_plugin.dra.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT
 from rdma_device_plugin.dra.publisher import Publisher
 from rdma_device_plugin.dra.service import HealthFeed, KubeletService, Paths
-from rdma_device_plugin.node import pcie
+from rdma_node import pcie
 
 DRIVER = "gpu.example.com"
 

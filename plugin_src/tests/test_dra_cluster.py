@@ -294,7 +294,7 @@ def test_an_exclusive_claim_never_shares_its_nic(api: Api, shared: DraNode, objs
 
 def _device_plugin_env(node: DraNode, mode: str, nics: list[str]) -> dict[str, str]:
     """What the device plugin's own pool hands a container given these NICs (its Allocate answer)."""
-    from rdma_device_plugin.node import sysfs
+    from rdma_node import sysfs
 
     config = load_config_data({"version": "v1", "mode": mode})
     pool = ResourcePool(config.resources[0], config)

@@ -10,7 +10,7 @@ import pytest
 
 from rdma_device_plugin.dra import model
 from rdma_device_plugin.health import NicHealth
-from rdma_device_plugin.node import fixtures, sysfs
+from rdma_node import fixtures, sysfs
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
