@@ -7,7 +7,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo stop status prometheus-local test lint test-plugin test-plugin-loaded test-chart test-ops test-molecule collection image bench bench-fleet proto clean kube cluster-up cluster-down dra-demo
+.PHONY: help setup system-deps demo stop status prometheus-local test test-sequential lint test-plugin test-plugin-loaded test-chart test-ops test-molecule collection image bench bench-fleet proto clean kube cluster-up cluster-down dra-demo
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -91,9 +91,27 @@ test-molecule: setup system-deps kube ## every molecule scenario, for real on lo
 collection: setup kube ## a plain `ansible-galaxy collection build` of this repository, installed, and a playbook outside it running validate, deploy (Helm) and verify by FQCN against a real cluster
 	bash scripts/build-collection.sh --check
 
-test: setup system-deps kube ## everything CI runs; ends with one "N passed, N failed" line
+# Two lanes side by side (each sequential, its lines prefixed): most of the real-cluster tests wait on
+# the cluster (rollouts, minReadySeconds), so two lanes fit the budget on 2 cores. They share no port,
+# registry or directory; the local default is taken under one lock (tests/conftest.py). The lanes skip
+# setup, system-deps and kube (-o): this target made them once, before the lanes start.
+LANE_CODE := lint test-plugin test-chart
+LANE_OPS := test-ops test-molecule collection
+LANE_SKIP := -o setup -o system-deps -o kube -o $(VENV)/.stamp
+
+test: setup system-deps kube ## everything CI runs (two lanes side by side); ends with one "N passed, N failed" line
 	rm -rf out/test-results
-	$(MAKE) --no-print-directory lint test-plugin test-chart test-ops test-molecule collection
+	@start=$$(date +%s); \
+	  ( set -o pipefail; $(MAKE) --no-print-directory -j1 $(LANE_SKIP) $(LANE_CODE) 2>&1 | sed -u 's/^/[code] /' ) & code=$$!; \
+	  ( set -o pipefail; $(MAKE) --no-print-directory -j1 $(LANE_SKIP) $(LANE_OPS) 2>&1 | sed -u 's/^/[ops]  /' ) & ops=$$!; \
+	  wait $$code; rc_code=$$?; wait $$ops; rc_ops=$$?; \
+	  echo "lanes: code ($(LANE_CODE)) exit $$rc_code, ops ($(LANE_OPS)) exit $$rc_ops, $$(( ($$(date +%s) - start) / 60 )) min"; \
+	  $(PY) scripts/test-summary.py out/test-results; rc=$$?; \
+	  [ $$rc_code -eq 0 ] && [ $$rc_ops -eq 0 ] && exit $$rc; exit 1
+
+test-sequential: setup system-deps kube ## everything CI runs, one target after another
+	rm -rf out/test-results
+	$(MAKE) --no-print-directory $(LANE_CODE) $(LANE_OPS)
 	$(PY) scripts/test-summary.py out/test-results
 
 image: setup system-deps ## build the image with buildah and push it to a registry on 127.0.0.1 (the plugin-image scenario)
