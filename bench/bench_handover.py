@@ -45,6 +45,7 @@ from typing import Any
 from report import load_average, pct
 
 from rdma_kubesim.handover import Plan, Trial, race_trial
+from rdma_kubesim.plugin import serve_command
 from rdma_kubesim.real import RealKubelet, find_binary, longest_zero_window
 from rdma_node import fixtures
 
@@ -69,9 +70,7 @@ class Instances:
     def start(self) -> tuple[subprocess.Popen[bytes], str]:
         self.count += 1
         log = os.path.join(self.tmp, f"plugin{self.count}.log")
-        cmd = [sys.executable, "-m", "rdma_device_plugin", "serve", "--sysfs-root", self.node.sysfs]
-        cmd += ["--dev-root", self.node.dev, "--procfs-root", self.node.procfs, "--device-plugin-dir", self.dp]
-        cmd += ["--health-file", os.path.join(self.tmp, f"health{self.count}.json")]
+        cmd = serve_command(self.node, self.dp, "--health-file", os.path.join(self.tmp, f"health{self.count}.json"))
         with open(log, "wb") as fh:
             return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT), log
 

@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from rdma_device_plugin import sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_kubesim import KubeletSimulator
+from rdma_kubesim.plugin import serve_command as plugin_serve_command
 from rdma_kubesim.real import RealKubelet, find_binary
 from rdma_node import fixtures
 
@@ -134,18 +134,10 @@ class PluginProcess:
 
 def serve_command(fx: fixtures.FixtureNode, dp_dir: Path, config: Path | None = None, *extra: str) -> list[str]:
     """The real ``rdma-device-plugin serve`` command line for a fixture node."""
-    cmd = [sys.executable, "-m", "rdma_device_plugin", "serve", "--sysfs-root", fx.sysfs, "--dev-root", fx.dev]
-    cmd += [
-        "--procfs-root",
-        fx.procfs,
-        "--device-plugin-dir",
-        str(dp_dir),
-        "--health-file",
-        str(dp_dir.parent / "health.json"),
-    ]
+    options = ["--health-file", str(dp_dir.parent / "health.json")]
     if config is not None:
-        cmd += ["--config", str(config)]
-    return cmd + list(extra)
+        options += ["--config", str(config)]
+    return plugin_serve_command(fx, str(dp_dir), *options, *extra)
 
 
 @pytest.fixture

@@ -4,9 +4,7 @@ handful of transitions from a port that flaps 20 times a second."""
 
 from __future__ import annotations
 
-import itertools
 import math
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ import pytest
 
 from rdma_device_plugin.config import HealthConfig
 from rdma_device_plugin.health import REUSE, FlapDamping
+from rdma_kubesim.flap import flapper, zero_changes
 
 RES = "rdma/hca"
 
@@ -66,19 +65,6 @@ def test_a_nic_gone_from_the_verdicts_is_forgotten() -> None:
     assert damping.observe({"a": True}, 3) == {}  # back as a new NIC: no history
 
 
-def flapper(node: Any, name: str, hz: float, seconds: float) -> threading.Thread:
-    def run() -> None:
-        end = time.monotonic() + seconds
-        state = "DOWN"
-        while time.monotonic() < end:
-            node.set_port_state(name, state)
-            state = "ACTIVE" if state == "DOWN" else "DOWN"
-            time.sleep(1 / hz / 2)
-        node.set_port_state(name, "ACTIVE")
-
-    return threading.Thread(target=run, daemon=True)
-
-
 @pytest.mark.timeout(180)
 def test_a_port_flapping_20_times_a_second_reaches_the_kubelet_a_few_times(  # type: ignore[no-untyped-def]
     kubelet, start_plugin, node, dp_dir: Path
@@ -101,8 +87,8 @@ def test_a_port_flapping_20_times_a_second_reaches_the_kubelet_a_few_times(  # t
     assert kubelet.wait_allocatable(RES, 1000, timeout=30), plugin.output()[-3000:]
     back = time.monotonic()
     time.sleep(1)
-    transitions = [t.get("allocatable", {}).get(RES, 0) for t in kubelet.record_stop()["transitions"]]
-    changes = [b for a, b in itertools.pairwise(transitions) if (a == 0) != (b == 0)]
+    transitions = kubelet.record_stop()["transitions"]
+    changes = zero_changes(transitions, RES)
     assert changes[-1] == 1000 and changes.count(0) <= 2, transitions  # the first flap, then held after the second
     assert back - stable >= 1.0, "Healthy again at once: no hold-down"  # it waited for the flaps to decay
     assert back - started < 10 + 5 + 5

@@ -25,7 +25,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +33,7 @@ from typing import Any
 
 from rdma_node import fixtures
 
+from .plugin import serve_command
 from .real import RealKubelet
 
 RES = "rdma/hca"
@@ -143,9 +143,8 @@ def race_trial(binary: str, node: fixtures.FixtureNode, tmp: str, plan: Plan, na
     health = (os.path.join(tmp, f"{name}.old.health"), os.path.join(tmp, f"{name}.new.health"))
 
     def start(i: int) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "rdma_device_plugin", "serve", "--sysfs-root", node.sysfs]
-        cmd += ["--dev-root", node.dev, "--procfs-root", node.procfs, "--device-plugin-dir", dp]
-        cmd += ["--health-file", health[i], "--status-file", os.path.join(tmp, f"{name}.{i}.status.json")]
+        status = os.path.join(tmp, f"{name}.{i}.status.json")
+        cmd = serve_command(node, dp, "--health-file", health[i], "--status-file", status)
         with open(logs[i], "wb") as fh:
             return subprocess.Popen(
                 cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
