@@ -92,7 +92,7 @@ collection: setup kube ## a plain `ansible-galaxy collection build` of this repo
 	bash scripts/build-collection.sh --check
 
 # Two lanes side by side (each sequential, its lines prefixed): most of the real-cluster tests wait on
-# the cluster (rollouts, minReadySeconds), so two lanes fit the budget on 2 cores. They share no port,
+# the cluster (rollouts, minReadySeconds), so two lanes fit the budget on 2 cores. A lane goes on (-k) after a failed target. They share no port,
 # registry or directory; the local default is taken under one lock (tests/conftest.py). The lanes skip
 # setup, system-deps and kube (-o): this target made them once, before the lanes start.
 LANE_CODE := lint test-plugin test-chart
@@ -102,8 +102,8 @@ LANE_SKIP := -o setup -o system-deps -o kube -o $(VENV)/.stamp
 test: setup system-deps kube ## everything CI runs (two lanes side by side); ends with one "N passed, N failed" line
 	rm -rf out/test-results
 	@start=$$(date +%s); \
-	  ( set -o pipefail; $(MAKE) --no-print-directory -j1 $(LANE_SKIP) $(LANE_CODE) 2>&1 | sed -u 's/^/[code] /' ) & code=$$!; \
-	  ( set -o pipefail; $(MAKE) --no-print-directory -j1 $(LANE_SKIP) $(LANE_OPS) 2>&1 | sed -u 's/^/[ops]  /' ) & ops=$$!; \
+	  ( set -o pipefail; $(MAKE) --no-print-directory -j1 -k $(LANE_SKIP) $(LANE_CODE) 2>&1 | sed -u 's/^/[code] /' ) & code=$$!; \
+	  ( set -o pipefail; $(MAKE) --no-print-directory -j1 -k $(LANE_SKIP) $(LANE_OPS) 2>&1 | sed -u 's/^/[ops]  /' ) & ops=$$!; \
 	  wait $$code; rc_code=$$?; wait $$ops; rc_ops=$$?; \
 	  echo "lanes: code ($(LANE_CODE)) exit $$rc_code, ops ($(LANE_OPS)) exit $$rc_ops, $$(( ($$(date +%s) - start) / 60 )) min"; \
 	  $(PY) scripts/test-summary.py out/test-results; rc=$$?; \
