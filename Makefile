@@ -92,9 +92,10 @@ collection: setup kube ## a plain `ansible-galaxy collection build` of this repo
 	bash scripts/build-collection.sh --check
 
 # Two lanes side by side (each sequential, its lines prefixed): most of the real-cluster tests wait on
-# the cluster (rollouts, minReadySeconds), so two lanes fit the budget on 2 cores. A lane goes on (-k) after a failed target. They share no port,
-# registry or directory; the local default is taken under one lock (tests/conftest.py). The lanes skip
-# setup, system-deps and kube (-o): this target made them once, before the lanes start.
+# the cluster (rollouts, minReadySeconds), so two lanes fit the budget on 2 cores. They share no
+# port, registry or directory; the local default is taken under one lock (tests/conftest.py). A lane
+# goes on after a failed target (-k); the lanes skip setup, system-deps and kube (-o): this target
+# made them once, before the lanes start.
 LANE_CODE := lint test-plugin test-chart
 LANE_OPS := test-ops test-molecule collection
 LANE_SKIP := -o setup -o system-deps -o kube -o $(VENV)/.stamp
