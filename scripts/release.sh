@@ -87,8 +87,12 @@ cleanup() {
   bah manifest rm "$list" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
-# links followed: the node package is a link into the collection (plugins/module_utils/rdma_node)
-(cd plugin_src && cp -RL --parents Dockerfile pyproject.toml README.md requirements.lock requirements-build.lock src "$context")
+# Two contexts, as the plugin_image role builds: the plugin, and the node package (rdma-node: its
+# one home is the collection's plugins/module_utils, the Dockerfile copies pyproject.toml and rdma_node/).
+mkdir -p "$context/plugin" "$context/rdma-node"
+(cd plugin_src && cp -RL --parents Dockerfile pyproject.toml README.md requirements.lock requirements-build.lock src "$context/plugin")
+(cd plugins/module_utils && cp -RL --parents pyproject.toml rdma_node "$context/rdma-node")
+find "$context" -name __pycache__ -prune -exec rm -rf {} +
 bah manifest rm "$list" >/dev/null 2>&1 || true
 bah manifest create "$list" >/dev/null
 secret=()
@@ -98,7 +102,7 @@ for platform in ${PLATFORMS//,/ }; do
   bah build --quiet --platform "$platform" --manifest "$list" --isolation "$BUILD_ISOLATION" "${secret[@]}" \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "BASE_IMAGE_DIGEST=$BASE_IMAGE_DIGEST" \
     --build-arg "VERSION=$version" --build-arg "REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)" \
-    --file "$context/Dockerfile" "$context" >/dev/null
+    --build-context "rdma-node=$context/rdma-node" --file "$context/plugin/Dockerfile" "$context/plugin" >/dev/null
 done
 bah manifest push --all --quiet "${tls[@]}" "${creds[@]}" --digestfile "$OUT/image.digest" \
   "$list" "docker://$image_repo:$version"
