@@ -96,8 +96,8 @@ collection: setup kube ## a plain `ansible-galaxy collection build` of this repo
 # port, registry or directory; the local default is taken under one lock (tests/conftest.py). A lane
 # goes on after a failed target (-k); the lanes skip setup, system-deps and kube (-o): this target
 # made them once, before the lanes start.
-LANE_CODE := lint test-plugin test-chart
-LANE_OPS := test-ops test-molecule collection
+LANE_CODE := lint test-plugin test-chart collection
+LANE_OPS := test-ops test-molecule
 LANE_SKIP := -o setup -o system-deps -o kube -o $(VENV)/.stamp
 
 test: setup system-deps kube ## everything CI runs (two lanes side by side); ends with one "N passed, N failed" line

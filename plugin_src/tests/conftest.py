@@ -128,7 +128,16 @@ class PluginProcess:
         start = time.monotonic()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        rc = self.proc.wait(timeout=timeout)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # Where it hangs: faulthandler's stacks of every thread (SIGUSR1, serve registers it).
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            tail = self.output()[-12000:]
+            raise AssertionError(f"still running {timeout:.0f} s after signal {sig}:\n{tail}") from None
         return rc, time.monotonic() - start
 
 

@@ -73,6 +73,10 @@ def test_a_probe_that_keeps_failing_turns_the_resource_unhealthy_and_fails_liven
     monkeypatch.setattr(sysfs.PortStateReader, "read", broken)
     assert sim.wait_for(lambda: failures(sup) >= 20, timeout=30), failures(sup)
     assert failing(sup) == 1
+    # The health file is rewritten every few seconds: read the heartbeat from a write made after the
+    # probe started failing (an older write can hold a heartbeat from before the last success).
+    failing_since = time.time()
+    assert sim.wait_for(lambda: json.loads(health.read_text(encoding="utf-8"))["time"] > failing_since, timeout=30)
     before = json.loads(health.read_text(encoding="utf-8"))["loops"]["probe"]["last"]
     node.set_port_state("mlx5_bond_1", "DOWN")  # it cannot be seen: the resource must not look fine
     # After the bound (10 s): every device Unhealthy at the kubelet, and liveness fails.

@@ -16,6 +16,7 @@ import argparse
 import collections
 import concurrent.futures
 import contextlib
+import faulthandler
 import functools
 import logging
 import os
@@ -109,6 +110,7 @@ class Supervisor:
                     per_numa=pool.spec.kind == numa_pools.LOCAL,
                 )
         self.stop_event = threading.Event()
+        self.stop_signal = ""  # set by serve's signal handler; logged by the loop
         self.once = LogOnce(LOG)
         # Events from the gRPC loop (streams, Register results), run here in order.
         # appended on the gRPC loop, popped here: a deque's append and popleft need no lock
@@ -677,6 +679,8 @@ class Supervisor:
         try:
             self._loop()
         finally:
+            if self.stop_signal:
+                LOG.info("signal received, stopping", extra={"signal": self.stop_signal})
             self.lock.release()  # first: the sockets that go next then say that this instance is ending
             stopped = [r.stop() for r in self.registrations]
             servers = [server for found, _ in stopped for server in found]
@@ -751,12 +755,16 @@ def _serve(args: argparse.Namespace, lock: sockets.InstanceLock) -> int:
         )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        LOG.info("signal received, stopping", extra={"signal": signal.Signals(signum).name})
+        # Flags only: the signal can arrive while this thread is inside a log write, and a log call
+        # here would be a reentrant write (RuntimeError) raised before the stop was recorded.
+        supervisor.stop_signal = signal.Signals(signum).name
         supervisor.stop_event.set()
         supervisor.wake()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # `kill -USR1`: every thread's stack on stderr (a stop that hangs shows where).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     LOG.info(
         "starting",
         extra={

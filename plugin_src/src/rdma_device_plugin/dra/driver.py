@@ -71,6 +71,7 @@ class Driver:
             self.driver, Paths.of(args.kubelet_dir, self.driver), self.claims, self.feed, self._registered
         )
         self.stop_event = threading.Event()
+        self.stop_signal = ""  # set by the signal handler; logged by the loop
         self._unregistered_since: float | None = time.time()
 
     def published(self) -> model.Published:
@@ -146,6 +147,8 @@ class Driver:
                     last_health = now
                     self._write_health(time.time())
         finally:
+            if self.stop_signal:
+                LOG.info("signal received, stopping", extra={"signal": self.stop_signal})
             self.service.stop()
             self.publisher.stop()
             self.discovery.close()
@@ -168,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     driver = Driver(args, config, client)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        LOG.info("signal received, stopping", extra={"signal": signal.Signals(signum).name})
+        # Flags only (as serve's): a log call here could be a reentrant write that loses the stop.
+        driver.stop_signal = signal.Signals(signum).name
         driver.stop_event.set()
 
     signal.signal(signal.SIGTERM, on_signal)
