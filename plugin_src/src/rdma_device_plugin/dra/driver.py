@@ -90,7 +90,9 @@ class Driver:
 
     def rebuild(self, force: bool = False) -> bool:
         """Publish the model again when the pools or the topology changed; True when it did."""
-        key = (tuple((p.view.version, p.view.nic_set) for p in self.pools), id(self.discovery.affinity))
+        # The affinity itself (a frozen dataclass, compared by value), not its id: an id can be reused
+        # once the old object is gone, and a changed topology would then not be published.
+        key = (tuple((p.view.version, p.view.nic_set) for p in self.pools), self.discovery.affinity)
         if key == self._key and not force:
             return False
         self._key = key
