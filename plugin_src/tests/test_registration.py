@@ -4,6 +4,7 @@ ListAndWatch message serialized once per change."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -174,3 +175,56 @@ def test_the_longest_allocatable_0_window_of_a_recording() -> None:
     transitions = [{**up, "ms": 0}, {**down, "ms": 10}, {**up, "ms": 15}, {**stopped, "ms": 40}, {**up, "ms": 52}]
     assert longest_zero_window(transitions, "rdma/hca", 100) == 12  # no kubelet running counts as 0
     assert longest_zero_window([*transitions, {**down, "ms": 80}], "rdma/hca", 100) == 20  # still 0 at the end
+
+
+def test_a_register_reaches_the_kubelet_start_it_was_pinned_to_never_a_later_one(
+    node: fixtures.FixtureNode, dp_dir: Path
+) -> None:
+    """kubelet.sock opened O_PATH: a kubelet that started since (deleting the plugin sockets, then
+    binding a new kubelet.sock) is not reached through the old pin; a pin taken now reaches it."""
+    from rdma_kubesim import KubeletSimulator
+
+    pool = build_pools(PluginConfig())[0]
+    pool.set_nics(sysfs.read_nics(node.sysfs, node.dev))
+    kubelet_sock = str(dp_dir / "kubelet.sock")
+    first = KubeletSimulator(str(dp_dir)).start()
+    pin = sockets.SocketPin(kubelet_sock)
+    assert pin.id == sockets.file_id(kubelet_sock)
+    first.stop()
+    second = KubeletSimulator(str(dp_dir)).start()
+    plugin = PluginServer(pool, str(dp_dir), "pinned.sock")
+    plugin.start()
+    try:
+        assert pin.id != sockets.file_id(kubelet_sock), "a new kubelet.sock"
+        with pytest.raises(grpc.RpcError) as refused:
+            plugin.register(pin).result(30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert second.registration_count(pool.name) == 0, "the later kubelet never saw it"
+        plugin.register(sockets.SocketPin(kubelet_sock)).result(30)
+        assert second.registration_count(pool.name) == 1
+    finally:
+        plugin.stop()
+        second.stop()
+
+
+def test_a_socket_pin_is_closed_once_by_whoever_owns_it(short_tmp: Path) -> None:
+    """Taken by a call: that call closes it (abandon then leaves it, its connect may be under way);
+    never taken (cancelled before it started): abandon closes it."""
+    import socket
+
+    path = str(short_tmp / "s.sock")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        fds = len(os.listdir("/proc/self/fd"))
+        untaken = sockets.SocketPin(path)
+        untaken.abandon()
+        assert untaken.take() is None and len(os.listdir("/proc/self/fd")) == fds
+        taken = sockets.SocketPin(path)
+        target = taken.take()
+        assert target is not None and target.startswith("unix:///proc/self/fd/")
+        assert taken.take() is None, "one call per pin"
+        taken.abandon()
+        assert len(os.listdir("/proc/self/fd")) == fds + 1, "still open for the call that took it"
+        taken.close()
+        taken.close()
+        assert len(os.listdir("/proc/self/fd")) == fds

@@ -50,6 +50,12 @@ connected. So:
   1.28-1.34 it drops for one registration. (Waiting for the checkpoint matters there: the older
   stream's end cuts our client, and if the kubelet is still busy with our first update, its
   goroutine of our cut client then cuts our next registration too, during its dial-back.)
+- **A Register reaches the kubelet start it was meant for.** It goes through kubelet.sock opened
+  ``O_PATH`` (:class:`.sockets.SocketPin`), opened before our socket is seen present: a kubelet
+  starting later deletes the plugin sockets before it binds its new kubelet.sock (server.go Start
+  -> CleanupPluginDirectory), so the Register could only reach it with a socket it cannot dial back
+  (counted as a registration all the same, then failing after the 10 s dial). The pinned inode's
+  listener is the old kubelet, or nobody (refused): the new kubelet.sock is then the event.
 - **A Register in flight is never abandoned**: its server stops only after the call returned.
   Abandoned, the kubelet would fail its dial-back and, on 1.28-1.34, drop whichever client is
   registered at that moment from its table (``connectClient`` -> ``deregisterClient`` by name).
@@ -528,10 +534,19 @@ class Registration:
     def _register(self) -> None:
         server = self.server
         assert server is not None
-        self._kubelet_registered = sockets.file_id(os.path.join(self.dir, KUBELET_SOCKET))
+        try:
+            kubelet = sockets.SocketPin(os.path.join(self.dir, KUBELET_SOCKET))
+        except OSError:
+            return  # gone again (a kubelet restarting): its new socket is the event
+        if not server.present():
+            # A kubelet started since we served, and its start-up cleanup took our socket: the
+            # kubelet pinned (or a later one) could not dial it back. Serve afresh first (step).
+            kubelet.close()
+            return
+        self._kubelet_registered = kubelet.id
         self._checkpoint_sent = self._checkpoint_id()
         self._taken_over = False
-        future = server.register()
+        future = server.register(kubelet)
         self._pending = future
         self._set(State.REGISTERING)
         future.add_done_callback(lambda f: self._on_registered(self, server, f))

@@ -43,7 +43,7 @@ import grpc
 from . import logs, sockets
 from .api import deviceplugin_pb2 as pb
 from .api import deviceplugin_pb2_grpc as pb_grpc
-from .kubeletapi import API_VERSION, KUBELET_SOCKET, MAX_SOCKET_PATH
+from .kubeletapi import API_VERSION, MAX_SOCKET_PATH
 from .published import NodeView
 from .resources import AllocationError, ContainerAllocation, ResourcePool
 
@@ -445,30 +445,40 @@ class PluginServer:
         self.forget()
         return _Loop.submit(self.stop_async(grace))
 
-    def register(self, timeout: float = REGISTER_TIMEOUT_SECONDS) -> concurrent.futures.Future[None]:
-        """Send Register on the loop; the future fails with grpc.RpcError or OSError."""
-        return _Loop.submit(self._register(timeout))
+    def register(
+        self, kubelet: sockets.SocketPin, timeout: float = REGISTER_TIMEOUT_SECONDS
+    ) -> concurrent.futures.Future[None]:
+        """Send Register on the loop to the kubelet start ``kubelet`` pins (never to one started
+        since); the future fails with grpc.RpcError or OSError. The pin is closed when it is done."""
+        future = _Loop.submit(self._register(kubelet, timeout))
+        future.add_done_callback(lambda _: kubelet.abandon())  # cancelled before it started
+        return future
 
-    async def _register(self, timeout: float) -> None:
-        servicer = self._servicer
-        if servicer is None:
-            raise OSError(f"{self.path} is not being served")
-        servicer.expect_kubelet()
-        kubelet = os.path.join(self.dir, KUBELET_SOCKET)
-        request = pb.RegisterRequest(
-            version=API_VERSION,
-            endpoint=self.socket_name,
-            resource_name=self.pool.name,
-            options=pb.DevicePluginOptions(get_preferred_allocation_available=self.pool.mode == "exclusive"),
-        )
+    async def _register(self, kubelet: sockets.SocketPin, timeout: float) -> None:
+        target = kubelet.take()
+        if target is None:
+            raise OSError("the registration was cancelled")
         try:
-            # A connection of its own: never a subchannel backing off after the kubelet restarted.
-            options = [("grpc.use_local_subchannel_pool", 1)]
-            async with grpc.aio.insecure_channel(f"unix://{kubelet}", options=options) as channel:
-                await pb_grpc.RegistrationStub(channel).Register(request, timeout=timeout)
-        except BaseException:
-            servicer.expect_kubelet(False)
-            raise
+            servicer = self._servicer
+            if servicer is None:
+                raise OSError(f"{self.path} is not being served")
+            servicer.expect_kubelet()
+            request = pb.RegisterRequest(
+                version=API_VERSION,
+                endpoint=self.socket_name,
+                resource_name=self.pool.name,
+                options=pb.DevicePluginOptions(get_preferred_allocation_available=self.pool.mode == "exclusive"),
+            )
+            try:
+                # A connection of its own: never a subchannel backing off after the kubelet restarted.
+                options = [("grpc.use_local_subchannel_pool", 1)]
+                async with grpc.aio.insecure_channel(target, options=options) as channel:
+                    await pb_grpc.RegistrationStub(channel).Register(request, timeout=timeout)
+            except BaseException:
+                servicer.expect_kubelet(False)
+                raise
+        finally:
+            kubelet.close()
         LOG.info("registered with kubelet", extra={"resource": self.pool.name, "endpoint": self.socket_name})
 
 

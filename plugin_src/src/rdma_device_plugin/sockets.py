@@ -32,6 +32,7 @@ import errno
 import fcntl
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -125,6 +126,47 @@ def file_id(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return (st.st_ino, st.st_ctime_ns)
+
+
+class SocketPin:
+    """A unix socket file opened ``O_PATH``: a connect to :attr:`target` (``/proc/self/fd/<fd>``)
+    reaches the listener of that very inode, never one bound later at the same path (it is refused
+    once that listener is gone). So a Register reaches the kubelet start we looked at: its dial
+    happens later on the gRPC loop, and a kubelet starting meanwhile first deletes the plugin
+    sockets (CleanupPluginDirectory), then binds a new kubelet.sock.
+
+    The fd is closed once: by the call that took the target, when it is done, or by :meth:`abandon`
+    when no call took it (cancelled before it started)."""
+
+    def __init__(self, path: str) -> None:
+        self._fd: int | None = os.open(path, os.O_PATH | os.O_CLOEXEC)  # FileNotFoundError: none there
+        st = os.fstat(self._fd)
+        self.id = (st.st_ino, st.st_ctime_ns)  # as file_id(path) said of this inode
+        self._taken = False
+        self._lock = threading.Lock()  # take() runs on the gRPC loop, abandon() where a future ends
+
+    def take(self) -> str | None:
+        """The gRPC target to dial (the caller then calls :meth:`close`); None once abandoned."""
+        with self._lock:
+            if self._fd is None or self._taken:
+                return None
+            self._taken = True
+            return f"unix:///proc/self/fd/{self._fd}"
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def abandon(self) -> None:
+        """Close unless a call took the target (it closes when done: its connect may be under way)."""
+        with self._lock:
+            if self._taken:
+                return
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def listening(path: str) -> bool:
