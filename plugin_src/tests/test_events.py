@@ -92,8 +92,13 @@ def test_link_coverage_needs_roce_and_the_netdevs_in_this_netns(node: fixtures.F
 
 
 def _wakeups(pid: int) -> int:
-    with open(f"/proc/{pid}/task/{pid}/schedstat", encoding="ascii") as fh:
-        return int(fh.read().split()[2])
+    """Times the main thread (the supervisor loop) went to sleep: its voluntary context switches.
+    Not schedstat's timeslices, which a loaded machine inflates by preempting one wake-up's work."""
+    with open(f"/proc/{pid}/task/{pid}/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no voluntary_ctxt_switches in /proc/{pid}/task/{pid}/status")
 
 
 @pytest.mark.skipif(netns.available() is not None, reason=f"network namespaces: {netns.available()}")
