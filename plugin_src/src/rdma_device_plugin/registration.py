@@ -29,7 +29,9 @@ connected. So:
 - **Never register while a newer instance lives** (its lock, :class:`.sockets.InstanceLock`, taken
   before anything else at its start), **nor while another instance is ending its streams** (its
   sockets renamed ``<name>.retiring`` until they are over): each of those ends cuts the client
-  registered last on 1.28-1.34, so a registration then would only be cut.
+  registered last on 1.28-1.34, so a registration then would only be cut. A Register such an end
+  cut (in flight when the other instance began winding down) is sent again once it is over,
+  without a back-off step: the failure repeats nothing.
 - **The newest instance registers again whenever another instance's socket goes away** (removed by
   that instance once its streams ended, or here for a dead instance): on 1.28-1.34 that end
   disconnected the client registered last, which may have been ours or theirs (an older
@@ -136,6 +138,7 @@ class Registration:
         self._peers: frozenset[str] | None = None  # other instances' socket files at the last look
         self._renew_wanted = False  # register again on a fresh socket when step() may (see there)
         self._gone_unexplained = False  # another instance's socket went, and no cut of ours followed yet
+        self._other_went = False  # another instance's socket went while our Register was out
         self._kubelet_registered: tuple[int, int] | None = None  # the kubelet.sock we last registered with
         self._taken_over = False  # since the last registration: the older instances were told
         self._checkpoint_sent: tuple[int, int] | None = None  # the kubelet's checkpoint when we sent Register
@@ -254,6 +257,21 @@ class Registration:
         exc = None if future.cancelled() else future.exception()
         if exc is not None:
             detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            if self._other_went or any(s.retiring for s in self._others()):
+                # Another instance ended its streams meanwhile: on 1.28-1.34 that end cuts the client
+                # registered last, ours during its dial-back ("failed to get device plugin options:
+                # ... the client connection is closing"), and the kubelet is done with it once our
+                # call failed. No repeat to back off from: again once that instance is over (step).
+                LOG.info(
+                    "registration of %s failed while another instance ended its streams (%s); "
+                    "registering again once it is over",
+                    self.name,
+                    detail,
+                    extra={"resource": self.name},
+                )
+                self._set(State.SERVING)
+                self._want_renew(keep_backoff=False)
+                return
             self.register_backoff.failed(time.monotonic())
             # The first failures come with a kubelet restart (its socket there, nobody listening yet):
             # INFO; from the third on, WARNING.
@@ -407,6 +425,7 @@ class Registration:
                 # reached the kubelet after ours gives no sign: the next once-a-second pass renews then.
                 self._gone_unexplained = True
             else:
+                self._other_went = True
                 LOG.info(
                     "another instance's socket of %s went away while registering; registering again",
                     self.name,
@@ -544,6 +563,7 @@ class Registration:
             kubelet.close()
             return
         self._kubelet_registered = kubelet.id
+        self._other_went = False
         self._checkpoint_sent = self._checkpoint_id()
         self._taken_over = False
         future = server.register(kubelet)
