@@ -8,6 +8,7 @@ figures live in bench/.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -294,7 +295,15 @@ def test_a_bind_mounted_device_plugin_dir_deleted_on_the_host_makes_the_plugin_e
     try:
         assert kubelet.wait_registered(RES, timeout=30), plugin.output()
         stop_kubelet(kubelet)
-        shutil.rmtree(host)  # the host's rm -rf: the pod's mount keeps the deleted directory
+        # The host's rm -rf (the pod's mount keeps the deleted directory). The plugin serves a fresh
+        # socket when the kubelet's stream ends: one bound between rmtree's listing and its rmdir
+        # fails it (ENOTEMPTY), so again until the directory is gone; once it is, nothing can be bound.
+        while host.exists():
+            try:
+                shutil.rmtree(host)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.ENOENT):
+                    raise
         host.mkdir()
         kubelet = start_kubelet(backend, host, short_tmp / "kubelet2.log")  # a kubelet on the new one
         rc = plugin.proc.wait(timeout=30)

@@ -199,6 +199,7 @@ def test_a_register_reaches_the_kubelet_start_it_was_pinned_to_never_a_later_one
         with pytest.raises(grpc.RpcError) as refused:
             plugin.register(pin).result(30)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert kubelet_sock in refused.value.details() and "/proc/self/fd" not in refused.value.details()
         assert second.registration_count(pool.name) == 0, "the later kubelet never saw it"
         plugin.register(sockets.SocketPin(kubelet_sock)).result(30)
         assert second.registration_count(pool.name) == 1

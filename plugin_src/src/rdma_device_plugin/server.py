@@ -474,6 +474,15 @@ class PluginServer:
                 options = [("grpc.use_local_subchannel_pool", 1)]
                 async with grpc.aio.insecure_channel(target, options=options) as channel:
                     await pb_grpc.RegistrationStub(channel).Register(request, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:  # its text names kubelet.sock, not the pin's fd
+                servicer.expect_kubelet(False)
+                raise grpc.aio.AioRpcError(
+                    exc.code(),
+                    exc.initial_metadata(),
+                    exc.trailing_metadata(),
+                    kubelet.named(exc.details() or ""),
+                    kubelet.named(exc.debug_error_string() or ""),
+                ) from None
             except BaseException:
                 servicer.expect_kubelet(False)
                 raise

@@ -139,7 +139,9 @@ class SocketPin:
     when no call took it (cancelled before it started)."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         self._fd: int | None = os.open(path, os.O_PATH | os.O_CLOEXEC)  # FileNotFoundError: none there
+        self._via = f"/proc/self/fd/{self._fd}"
         st = os.fstat(self._fd)
         self.id = (st.st_ino, st.st_ctime_ns)  # as file_id(path) said of this inode
         self._taken = False
@@ -151,7 +153,11 @@ class SocketPin:
             if self._fd is None or self._taken:
                 return None
             self._taken = True
-            return f"unix:///proc/self/fd/{self._fd}"
+            return f"unix://{self._via}"
+
+    def named(self, text: str) -> str:
+        """``text`` (an error of the call) with the socket's own path where it says /proc/self/fd/N."""
+        return text.replace(self._via, self.path)
 
     def close(self) -> None:
         with self._lock:
