@@ -553,10 +553,23 @@ class Registration:
     def _register(self) -> None:
         server = self.server
         assert server is not None
+        path = os.path.join(self.dir, KUBELET_SOCKET)
         try:
-            kubelet = sockets.SocketPin(os.path.join(self.dir, KUBELET_SOCKET))
-        except OSError:
+            kubelet = sockets.SocketPin(path)
+        except FileNotFoundError:
             return  # gone again (a kubelet restarting): its new socket is the event
+        except OSError as exc:
+            self.register_backoff.failed(time.monotonic())
+            self.once.problem(
+                f"register {self.name}",
+                "cannot open %s to register %s: %s; retrying with backoff (0.5 s doubling to 5 s)",
+                path,
+                self.name,
+                exc,
+                level=logging.WARNING,
+                extra={"resource": self.name},
+            )
+            return
         if not server.present():
             # A kubelet started since we served, and its start-up cleanup took our socket: the
             # kubelet pinned (or a later one) could not dial it back. Serve afresh first (step).
