@@ -129,7 +129,7 @@ def file_id(path: str) -> tuple[int, int] | None:
 
 
 class SocketPin:
-    """A unix socket file opened ``O_PATH``: a connect to :attr:`target` (``/proc/self/fd/<fd>``)
+    """A unix socket file opened ``O_PATH``: a connect through ``/proc/self/fd/<fd>`` (:meth:`take`)
     reaches the listener of that very inode, never one bound later at the same path (it is refused
     once that listener is gone). So a Register reaches the kubelet start we looked at: its dial
     happens later on the gRPC loop, and a kubelet starting meanwhile first deletes the plugin
