@@ -147,7 +147,7 @@ checked here; any other tag (dev, latest) is checked by the plugin at start. */}
 {{- end }}
 
 {{- /* paths */}}
-{{- range $key, $path := dict "kubeletDir" $v.kubeletDir "cdi.hostDir" $v.cdi.hostDir }}
+{{- range $key, $path := dict "kubeletDir" $v.kubeletDir "cdi.hostDir" $v.cdi.hostDir "sysfsHostPath" $v.sysfsHostPath }}
 {{- if not (hasPrefix "/" (toString $path)) }}
 {{- $errors = append $errors (printf "%s=%q must be an absolute path on the node, e.g. /var/lib/kubelet" $key (toString $path)) }}
 {{- end }}

@@ -160,9 +160,11 @@ def _args(container: dict) -> dict[str, str]:
 @pytest.mark.parametrize(
     "case,host_dir",
     [
+        # The kubelet serves kubelet.sock at /var/lib/kubelet/device-plugins whatever its --root-dir
+        # (KubeletSocket is a constant): kubeletDir moves only the DRA driver's directories.
         ("defaults", "/var/lib/kubelet/device-plugins"),
-        ("k3s", "/var/lib/rancher/k3s/agent/kubelet/device-plugins"),
-        ("microk8s", "/var/snap/microk8s/common/var/lib/kubelet/device-plugins"),
+        ("k3s", "/var/lib/kubelet/device-plugins"),
+        ("microk8s", "/var/lib/kubelet/device-plugins"),
     ],
 )
 def test_kubelet_dir_and_mounts(case: str, host_dir: str) -> None:
