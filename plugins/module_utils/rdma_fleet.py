@@ -191,7 +191,10 @@ def _next_step(want, seen, cluster, expected):
     )
     cap = parse_quantity(seen.get("capacity"))
     validated = seen.get("validated")
-    if cap is None:
+    # A kubelet keeps a resource whose plugin went in its Node status: allocatable 0 at once, capacity
+    # for the device manager's grace period (5 minutes), then 0; it never removes the key (the real
+    # node shows it, tests/node). So 0, like absent, means no plugin serves it.
+    if cap is None or cap == 0:
         if cluster.validation_required and validated != "true":
             state = "%s=%s" % (VALIDATED_LABEL, validated) if validated is not None else "no %s label" % VALIDATED_LABEL
             where = " (see %s)" % cluster.report if cluster.report else ""
@@ -202,8 +205,9 @@ def _next_step(want, seen, cluster, expected):
         return "no plugin pod advertises the resource there: is it running? %s" % pods
     if cap == expected:
         return (
-            "allocatable below capacity means a NIC port left ACTIVE or a NIC vanished: kubectl -n %s exec "
-            "<the plugin pod on %s> -- rdma-device-plugin status (%s)." % (ns, node, pods)
+            "allocatable below capacity means a NIC port left ACTIVE, a NIC vanished, or the plugin stopped (the "
+            "kubelet keeps its capacity for 5 minutes): kubectl -n %s exec <the plugin pod on %s> -- "
+            "rdma-device-plugin status (%s)." % (ns, node, pods)
         )
     return (
         "the plugin there advertises another shape: check the node's %s label and the chart values "

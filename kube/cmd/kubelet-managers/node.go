@@ -27,6 +27,15 @@
 // static pods, no image GC, no node shutdown manager; probes are exec probes only (others count as
 // passing); container restarts back off from 1 s doubling to 30 s (the kubelet: 10 s to 5 min);
 // pod IPs are 127.x.y.z addresses on the loopback interface (node_ip for hostNetwork pods).
+//
+// The real node (scripts/real_node.py: the kubelet, containerd and runc; tests/node) runs what this
+// leaves out, and showed where the two part; this one now keeps a removed device-plugin resource at
+// 0 in the Node status, as the kubelet does. What stays different, by design: the Node is always
+// Ready (no runtime, no CNI to wait for); images are matched by their last path element, not pulled;
+// securityContext, device cgroups and CDI are recorded, not applied (the real node applies them);
+// the device manager starts with sources ready and no running containers, so the kubelet's "restart
+// with containers still running" branch and a reboot's re-admission (an RDMA pod admitted before its
+// plugin registers fails with UnexpectedAdmissionError: docs/operations.md) happen on the real node only.
 package main
 
 import (
@@ -339,8 +348,15 @@ func (a *nodeAgent) nodeStatus(old v1.NodeStatus) v1.NodeStatus {
 	capacity, allocatable := a.capacity()
 	now := metav1.Now()
 	st := old.DeepCopy()
-	// Extended resources the device manager no longer reports are dropped (the kubelet's
-	// MachineInfo setter removes a resource whose plugin has been gone for 5 minutes).
+	// A resource the device manager no longer reports (its plugin gone past the 5-minute grace) stays
+	// in the status at 0, as the kubelet's MachineInfo setter leaves it: it sets the removed resources'
+	// capacity to 0 on the Node it read and never deletes a key (the real node shows it, tests/node).
+	for k := range old.Capacity {
+		if _, ok := capacity[k]; !ok {
+			capacity[k] = *resource.NewQuantity(0, resource.DecimalSI)
+			allocatable[k] = *resource.NewQuantity(0, resource.DecimalSI)
+		}
+	}
 	st.Capacity, st.Allocatable = capacity, allocatable
 	st.Addresses = []v1.NodeAddress{{Type: v1.NodeInternalIP, Address: a.cfg.NodeIP}, {Type: v1.NodeHostName, Address: a.cfg.Node}}
 	st.DaemonEndpoints = v1.NodeDaemonEndpoints{KubeletEndpoint: v1.DaemonEndpoint{Port: 10250}}
