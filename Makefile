@@ -7,7 +7,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo stop status prometheus-local test test-sequential lint test-plugin test-plugin-loaded test-chart test-ops test-molecule collection image bench bench-fleet proto clean kube cluster-up cluster-down dra-demo
+.PHONY: help setup system-deps demo stop status prometheus-local test test-sequential lint test-plugin test-plugin-loaded test-chart test-ops test-node test-molecule collection image bench bench-fleet proto clean kube cluster-up cluster-down node-up node-down dra-demo
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -42,6 +42,12 @@ cluster-up: setup kube ## a local control plane of upstream Kubernetes on 127.0.
 cluster-down: ## stop every process cluster-up started
 	@if [ -x $(PY) ]; then $(PY) scripts/kube_cluster.py down; else python3 scripts/kube_cluster.py down; fi
 
+node-up: setup system-deps kube ## a real node (kubelet, containerd, runc) joined to cluster-up's control plane; writes out/cluster/node-values.yaml
+	$(PY) scripts/real_node.py up
+
+node-down: ## stop the real node: no process, mount, bridge or cgroup of it is left
+	@if [ -x $(PY) ]; then $(PY) scripts/real_node.py down; else python3 scripts/real_node.py down; fi
+
 dra-demo: setup kube ## the DRA driver on the local control plane: a fixture node, an rdma/hca: 1 pod and a claim aligned to a stub GPU, what each got
 	$(PY) scripts/dra_demo.py
 
@@ -65,7 +71,7 @@ prometheus-local: setup system-deps ## a real Prometheus with the chart's alerts
 lint: setup ## ruff, mypy, yamllint, actionlint (workflows), ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src kubesim tests && $(BIN)/ruff format --check src kubesim tests
 	cd plugin_src && $(BIN)/mypy
-	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py
+	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py scripts/real_node.py && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py scripts/real_node.py
 	$(BIN)/ruff check --select F,E9 plugins scripts  # modules run on nodes (any Python 3): pyflakes-level checks only
 	$(BIN)/yamllint -s .
 	bash scripts/check-proto.sh
@@ -83,7 +89,10 @@ test-chart: setup system-deps kube ## Helm chart tests (real Helm engine, Kubern
 	$(PY) -m pytest charts/rdma-device-plugin/tests --junitxml=out/test-results/chart.xml
 
 test-ops: setup kube ## automation and docs: example inventory offline check, typed variables, uninstall, runnable doc blocks
-	$(PY) -m pytest tests --junitxml=out/test-results/ops.xml
+	$(PY) -m pytest tests --ignore=tests/node --junitxml=out/test-results/ops.xml
+
+test-node: setup system-deps kube ## the real-node tier: the chart's pods on the kubelet, containerd and runc (one node per machine)
+	$(PY) -m pytest tests/node --junitxml=out/test-results/node.xml
 
 test-molecule: setup system-deps kube ## every molecule scenario, for real on localhost
 	bash scripts/run-molecule.sh
@@ -96,7 +105,7 @@ collection: setup kube ## a plain `ansible-galaxy collection build` of this repo
 # port, registry or directory; the local default is taken under one lock (tests/conftest.py). A lane
 # goes on after a failed target (-k); the lanes skip setup, system-deps and kube (-o): this target
 # made them once, before the lanes start.
-LANE_CODE := lint test-plugin test-chart collection
+LANE_CODE := lint test-plugin test-chart test-node collection
 LANE_OPS := test-ops test-molecule
 LANE_SKIP := -o setup -o system-deps -o kube -o $(VENV)/.stamp
 

@@ -9,7 +9,8 @@ kube/go.mod, on 127.0.0.1 with certificates made on the fly and a free port each
     kube_cluster.py down [--dir out/cluster]   stop every process `up` started (also after a failed up)
     kube_cluster.py status [--dir out/cluster]
 
-No kubelet runs: nodes join with kubelet-managers (kube/cmd/kubelet-managers, scripts/kube_node.py).
+Nodes join with kubelet-managers (kube/cmd/kubelet-managers, `join` below) or as a real node: the
+kubelet, containerd and runc (scripts/real_node.py, make node-up).
 Importable: tests use :class:`Cluster` (``Cluster(dir).up()`` / ``.down()``) the same way.
 """
 
@@ -138,6 +139,9 @@ def _certs(d: Path) -> None:
 
     leaf("apiserver", "kube-apiserver", None, server=True)
     leaf("admin", "kubernetes-admin", "system:masters", server=False)
+    # The API server's client certificate towards kubelets (logs, exec, port-forward), as kubeadm's
+    # apiserver-kubelet-client: a real node's kubelet authorizes it by webhook (SubjectAccessReview).
+    leaf("apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters", server=False)
     write_key(key(), "sa.key")
     sa = serialization.load_pem_private_key((d / "sa.key").read_bytes(), password=None)
     (d / "sa.pub").write_bytes(
@@ -295,6 +299,11 @@ class Cluster:
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--authorization-mode=Node,RBAC",
+                # As kubeadm: a kubelet's credentials may write only its own Node and its pods' objects.
+                "--enable-admission-plugins=NodeRestriction",
+                f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--allow-privileged=true",
                 # No kubernetes Service endpoints: the API server listens on loopback, which they refuse.
                 "--endpoint-reconciler-type=none",

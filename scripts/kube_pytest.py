@@ -35,6 +35,11 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, interval: floa
 @pytest.fixture(scope="session")
 def kube_cluster() -> Iterator[Cluster]:
     """A control plane of upstream Kubernetes (built by `make kube`) for the whole session."""
+    yield from session_cluster()
+
+
+def session_cluster() -> Iterator[Cluster]:
+    """kube_cluster's body: a cluster in a short directory under /tmp, stopped and removed after."""
     bin_dir = kube_bin()
     if not (bin_dir / "kube-apiserver").exists():
         pytest.fail(f"no Kubernetes components in {bin_dir}: build them with `make kube`")

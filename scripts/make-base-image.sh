@@ -29,6 +29,9 @@ for tool in mmdebstrap buildah; do
   }
 done
 bah() { buildah --storage-driver "$STORAGE_DRIVER" "$@"; }
+# One build at a time: make test's lanes (the real node, molecule's plugin-image) may ask at once.
+exec 9>"${TMPDIR:-/tmp}/rdma-dp-base.lock"
+flock 9
 
 if [[ ${FORCE:-0} != 1 ]] && bah inspect --type image "$IMAGE" >/dev/null 2>&1; then
   echo "make-base-image: $IMAGE already present (FORCE=1 to rebuild)"
