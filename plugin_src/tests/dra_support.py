@@ -117,6 +117,16 @@ _PLURAL = {
     "ResourceClaim": ("/apis/resource.k8s.io/v1", "resourceclaims", True),
     "DeviceClass": ("/apis/resource.k8s.io/v1", "deviceclasses", False),
     "ResourceSlice": ("/apis/resource.k8s.io/v1", "resourceslices", False),
+    "Node": ("/api/v1", "nodes", False),
+    "ServiceAccount": ("/api/v1", "serviceaccounts", True),
+    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
+    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "ValidatingAdmissionPolicy": ("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicies", False),
+    "ValidatingAdmissionPolicyBinding": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicybindings",
+        False,
+    ),
 }
 
 

@@ -22,6 +22,7 @@ import grpc
 import pytest
 from dra_support import (
     DRIVER,
+    SLICES,
     Api,
     DraNode,
     allocated_devices,
@@ -42,6 +43,7 @@ from gpu_dra_stub import GpuDraStub
 
 from rdma_device_plugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from rdma_device_plugin.config import load_config_data
+from rdma_device_plugin.dra import kubeapi
 from rdma_device_plugin.resources import ResourcePool
 
 # Each test waits for the real scheduler and kubelet with its own generous deadlines; the module's
@@ -522,3 +524,134 @@ def test_prepare_names_a_nic_that_is_down_or_vanished(api: Api, exclusive: DraNo
         assert not down.devices and not gone.devices
     finally:
         exclusive.fixture.set_port_state("mlx5_bond_2", "ACTIVE")
+
+
+# ------------------------------------------------------------------ node-scoped writes
+
+SA_NS = "kube-system"
+POLICY_KINDS = (
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+)
+
+
+def _slice(node: str, driver: str = DRIVER, name: str = "") -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name or f"{node}-{driver}-probe"},
+        "spec": {"driver": driver, "nodeName": node, "pool": {"name": node, "resourceSliceCount": 1}, "devices": []},
+    }
+
+
+def _token_client(api: Api, cluster: kube_cluster.Cluster, sa: str, bound: dict[str, Any]) -> kubeapi.Client:
+    """The driver's own HTTPS client with a token of ``sa`` bound to ``bound`` (a Node, or a Pod on a node)."""
+    ref = {
+        "apiVersion": "v1",
+        "kind": bound["kind"],
+        "name": bound["metadata"]["name"],
+        "uid": bound["metadata"]["uid"],
+    }
+    req = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"boundObjectRef": ref}}
+    token = api.client.create(f"/api/v1/namespaces/{SA_NS}/serviceaccounts/{sa}/token", req)["status"]["token"]
+    return kubeapi.Client(
+        kubeapi.Credentials(server=cluster.server(), ca_file=str(cluster.dir / "pki/ca.crt"), token=token)
+    )
+
+
+def _refused(call: Any) -> str:
+    try:
+        call()
+    except kubeapi.ApiError as exc:
+        assert exc.code == 403, exc
+        return str(exc)
+    raise AssertionError("the write was accepted")
+
+
+def test_a_nodes_token_writes_only_its_own_slices(api: Api, cluster: kube_cluster.Cluster) -> None:
+    """The chart's ServiceAccount, RBAC and slice policy in the real API server: a token of the driver's
+    ServiceAccount bound to node A (to the Node, or to a pod on it, as the kubelet's projected token is)
+    publishes A's slices through the driver's Publisher, and is refused (403) on node B's slices and on
+    another driver's slice of A; the admin is not affected."""
+    from rdma_device_plugin.dra.publisher import Publisher
+
+    chart = [
+        o
+        for o in chart_objects({"driver": "dra"})
+        if o["kind"] in POLICY_KINDS and (o["kind"] == "ServiceAccount" or "-dra" in o["metadata"]["name"])
+    ]
+    assert sorted(o["kind"] for o in chart) == sorted(POLICY_KINDS)
+    sa = next(o for o in chart if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    nodes = [api.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": n}}) for n in ("vap-a", "vap-b")]
+    theirs = [_slice("vap-b"), _slice("vap-a", GPU_DRIVER)]
+    try:
+        for obj in chart:
+            api.apply(obj)
+        b_pod = api.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "vap-driver-b", "namespace": SA_NS},
+                "spec": {
+                    "serviceAccountName": sa,
+                    "nodeName": "vap-b",
+                    "terminationGracePeriodSeconds": 0,
+                    "containers": [{"name": "c", "image": "registry.example.com/workload:1"}],
+                },
+            }
+        )
+        for obj in theirs:
+            api.apply(obj)
+        a = _token_client(api, cluster, sa, nodes[0])
+        b = _token_client(api, cluster, sa, b_pod)
+        # The policy is in force once the API server's informers have it (a dry run changes nothing).
+        wait_for(
+            "the slice policy in force",
+            lambda: _denied_dry_run(a, "vap-b-rdma.lingjun.io-probe"),
+            timeout=60,
+        )
+
+        # Its own node: the driver's Publisher creates, rewrites and deletes A's slices.
+        pub = Publisher(a, DRIVER, "vap-a")
+        spec = _slice("vap-a")["spec"]
+        pub.set_specs({"devices": spec})
+        assert pub.reconcile() and len(api.slices("vap-a")) == 1
+        pub.set_specs({"devices": {**spec, "devices": [{"name": "d0"}]}})
+        assert pub.reconcile() and api.slices("vap-a")[0]["spec"]["devices"] == [{"name": "d0"}]
+        pub.delete_all()
+        assert api.slices("vap-a") == []
+
+        # Node B's slice: create, update, delete refused (spec.nodeName itself is immutable).
+        b_slice = api.get(f"{SLICES}/vap-b-{DRIVER}-probe")
+        who = f"system:serviceaccount:{SA_NS}:{sa} on node vap-a may write only that node's ResourceSlices"
+        assert who in _refused(lambda: a.create(SLICES, _slice("vap-b", name="forged")))
+        assert "not node vap-b's" in _refused(lambda: a.update(f"{SLICES}/{b_slice['metadata']['name']}", b_slice))
+        assert "not node vap-b's" in _refused(lambda: a.delete(f"{SLICES}/{b_slice['metadata']['name']}"))
+        # Another driver's slice on its own node (the GPU driver's): refused too.
+        gpu = f"{SLICES}/vap-a-{GPU_DRIVER}-probe"
+        assert f"not of {GPU_DRIVER}" in _refused(lambda: a.delete(gpu))
+        assert f"not of {GPU_DRIVER}" in _refused(lambda: a.create(SLICES, _slice("vap-a", GPU_DRIVER, "gpu-forged")))
+        # A token bound to a pod on node B (the kubelet's projected token): B's slices only.
+        b.delete(f"{SLICES}/{b_slice['metadata']['name']}")
+        assert "on node vap-b may write only" in _refused(lambda: b.create(SLICES, _slice("vap-a", name="forged")))
+        # Nothing the refused calls tried is there; the admin is not matched by the policy.
+        assert api.slices("vap-b") == [] and [s["metadata"]["name"] for s in api.slices("vap-a", GPU_DRIVER)] == [
+            f"vap-a-{GPU_DRIVER}-probe"
+        ]
+    finally:
+        for obj in [*theirs, *reversed(chart)]:
+            api.delete(obj)
+        api.delete({"kind": "Pod", "metadata": {"name": "vap-driver-b", "namespace": SA_NS}})
+        for n in nodes:
+            api.delete(n)
+
+
+def _denied_dry_run(client: kubeapi.Client, name: str) -> bool:
+    try:
+        client.request("DELETE", f"{SLICES}/{name}", query={"dryRun": "All"})
+    except kubeapi.ApiError as exc:
+        return exc.code == 403
+    return False

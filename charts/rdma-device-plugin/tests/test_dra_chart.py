@@ -123,3 +123,29 @@ def test_dra_on_a_cluster_without_it_is_refused_with_the_fix() -> None:
         render_raw({"driver": "dra"}, kube_version="v1.33.0", api_versions=(*VAP_KINDS, *MONITORING))
     with pytest.raises(helm_python.HelmError, match=r"at '/driver': value must be one of 'devicePlugin', 'dra'"):
         render_raw({"driver": "nvidia"}, kube_version="v1.37.0", api_versions=API)
+
+
+def test_slice_writes_are_scoped_to_the_drivers_node_and_driver() -> None:
+    """The policy's CEL is evaluated by the real API server in plugin_src/tests/test_dra_cluster.py
+    (test_a_nodes_token_writes_only_its_own_slices); here: what it matches and who it binds."""
+    objs = objects({"driver": "dra", "dra": {"driverName": "rdma.example.com"}})
+    policy = one(objs, "ValidatingAdmissionPolicy", "-dra-slices")["spec"]
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", "-dra-slices")["spec"]
+    assert binding == {"policyName": "rdma-rdma-device-plugin-dra-slices", "validationActions": ["Deny"]}
+    assert policy["failurePolicy"] == "Fail"
+    (rule,) = policy["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["resourceslices"] and rule["operations"] == ["CREATE", "UPDATE", "DELETE"]
+    user = "system:serviceaccount:kube-system:rdma-rdma-device-plugin"
+    assert policy["matchConditions"][0]["expression"] == f'request.userInfo.username == "{user}"'
+    assert 'd == "rdma.example.com"' in policy["validations"][2]["expression"]
+    assert not [o for o in objects({}) if o["kind"] == "ValidatingAdmissionPolicy" and "-dra-" in o["metadata"]["name"]]
+
+
+@pytest.mark.parametrize("account", [{"create": False}, {"create": False, "name": "default"}, {"name": "default"}])
+def test_dra_never_binds_its_role_to_the_namespaces_default_account(account: dict[str, Any]) -> None:
+    with pytest.raises(helm_python.HelmError, match=r"would be bound to kube-system:default, which every pod"):
+        render_raw({"driver": "dra", "serviceAccount": account}, kube_version="v1.37.0", api_versions=API)
+    objs = objects({"driver": "dra", "serviceAccount": {"create": False, "name": "rdma-dra"}})
+    assert one(objs, "ClusterRoleBinding", "-dra")["subjects"][0]["name"] == "rdma-dra"
+    assert "system:serviceaccount:kube-system:rdma-dra" in str(one(objs, "ValidatingAdmissionPolicy", "-dra-slices"))
+    render_raw({"serviceAccount": {"create": False}}, kube_version="v1.37.0", api_versions=API)  # no DRA: no role
