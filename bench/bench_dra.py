@@ -133,7 +133,7 @@ def main() -> int:
             names += batch
         uids = {n: api.claim(n)["metadata"]["uid"] for n in names}
         print("[4/4] prepare / unprepare over the driver's socket", flush=True)
-        sock = node.kubelet_dir / "plugins" / ds.DRIVER / "dra.sock"
+        sock = node.endpoint
         fresh, again, unprep = [], [], []
         with grpc.insecure_channel(f"unix://{sock}") as ch:
             stub = pb_grpc.DRAPluginStub(ch)

@@ -48,8 +48,11 @@ class Publisher:
         node: str,
         resync: float = 30.0,
         on_published: Callable[[float], None] | None = None,
+        may_publish: Callable[[], bool] | None = None,
     ) -> None:
         self.client = client
+        self.may_publish = may_publish  # False while a newer instance of the driver publishes (rolling update)
+        self.superseded = False
         self.driver = driver
         self.node = node
         self.resync = resync
@@ -64,8 +67,14 @@ class Publisher:
         self._threads: list[threading.Thread] = []
         self.passes = 0  # reconcile passes that wrote something (tests, logs)
         self.writes = 0
+        self.failures = 0  # passes that failed (metrics)
         self.last_error = ""
+        self.heartbeat = time.time()  # the loop's last pass, ok or not (liveness: a hung publisher)
         self.in_sync = threading.Event()  # the API holds exactly the current specs
+
+    @property
+    def generation(self) -> int:
+        return self._generation
 
     @property
     def selector(self) -> str:
@@ -113,6 +122,7 @@ class Publisher:
                 return
             try:
                 self.reconcile()
+                self.heartbeat = time.time()
                 backoff = 1.0
                 if self.last_error:
                     LOG.info("ResourceSlices published again", extra={"node": self.node})
@@ -128,6 +138,8 @@ class Publisher:
                         },
                     )
                 self.last_error = str(exc)
+                self.failures += 1
+                self.heartbeat = time.time()
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
                 self._wake.set()
@@ -153,6 +165,14 @@ class Publisher:
             specs = copy.deepcopy(self._specs)
         if not specs:
             return False
+        if self.may_publish is not None and not self.may_publish():
+            if not self.superseded:
+                LOG.info(
+                    "a newer instance of the driver publishes this node's ResourceSlices", extra={"node": self.node}
+                )
+            self.superseded = True
+            return False
+        self.superseded = False
         t0 = time.monotonic()
         existing: dict[str, list[dict[str, Any]]] = {}
         for item in self._list():
@@ -226,6 +246,8 @@ class Publisher:
                         meta = event.get("object", {}).get("metadata", {})
                         kind = (meta.get("labels") or {}).get(KIND_LABEL, "")
                         written = self._written.get(kind)
+                        if event["type"] == "DELETED":
+                            self.in_sync.clear()  # e.g. the kubelet's start wiped them: not ready until rewritten
                         if written is None or written[0] != meta.get("resourceVersion") or event["type"] == "DELETED":
                             self._wake.set()
                     elif event.get("type") == "ERROR":
