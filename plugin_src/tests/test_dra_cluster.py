@@ -233,6 +233,33 @@ def test_slices_published_and_republished_after_a_kubelet_restart(api: Api, shar
     assert shared.got("after-restart")[0]["RDMA_DEVICES"] == "mlx5_bond_0"
 
 
+def test_a_metadata_edit_rewrites_nothing_and_counters_are_written_first(api: Api, shared: DraNode) -> None:
+    """The publisher compares content, not resourceVersion: an admin's label on a slice is kept and
+    rewrites nothing. A change of content (a port going down) moves the pool to exactly one new
+    generation, the counters slice written before the devices slice that consumes its counters."""
+    before = wait_for("slices", lambda: complete(api.slices(shared.name)))
+    generation = before[0]["spec"]["pool"]["generation"]
+    devices = next(s for s in before if s["spec"].get("devices"))
+    labels = {**devices["metadata"]["labels"], "example.com/touched": "yes"}
+    api.client.update(
+        f"{SLICES}/{devices['metadata']['name']}", {**devices, "metadata": {**devices["metadata"], "labels": labels}}
+    )
+    shared.fixture.set_port_state("mlx5_bond_0", "DOWN")  # after the label: the driver sees it first
+    try:
+        after = wait_for(
+            "mlx5_bond_0 tainted",
+            lambda: _taints(api, shared)["mlx5-bond-0"] and complete(api.slices(shared.name)),
+        )
+        assert {s["spec"]["pool"]["generation"] for s in after} == {generation + 1}  # none for the label
+        by_kind = {s["metadata"]["labels"]["rdma.lingjun.io/slice"]: s for s in after}
+        assert by_kind["devices"]["metadata"]["labels"]["example.com/touched"] == "yes"
+        rv = {k: int(s["metadata"]["resourceVersion"]) for k, s in by_kind.items()}
+        assert rv["counters"] < rv["devices"]
+    finally:
+        shared.fixture.set_port_state("mlx5_bond_0", "ACTIVE")
+    wait_for("the taints gone", lambda: not any(_taints(api, shared).values()))
+
+
 # ------------------------------------------------------------------ sharing
 
 
