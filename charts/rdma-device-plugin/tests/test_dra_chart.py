@@ -183,26 +183,27 @@ def test_the_dra_driver_rolls_with_surge_and_hands_over(strategy: dict[str, Any]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("mode", ["shared", "exclusive"])
-def test_dra_probes_are_the_drivers_own_and_min_ready_seconds_hold_a_bad_rollout(case: str, mode: str) -> None:
+def test_dra_probes_are_the_drivers_own_and_min_ready_seconds_hold_a_bad_rollout(case: str) -> None:
     """As the device plugin's (test_plugin_contract.py), for every values case: the args parse with the
     driver's own CLI; liveness and readiness run its `healthcheck` on the file it writes (readiness with
     --ready: registered with the kubelet and the node's slices of the newest content in the API,
     plugin_src/tests/test_dra_cluster.py::test_readiness_follows_the_registration_and_the_slices); the
     DaemonSet counts a pod available only after minReadySeconds."""
     values = {**CASES[case], "driver": "dra"}
-    ds = one(objects(values), "DaemonSet", f"-{mode}-dra")
-    assert ds["spec"]["minReadySeconds"] == values.get("minReadySeconds", 30)
-    (c,) = ds["spec"]["template"]["spec"]["containers"]
-    driver = build_parser().parse_args(c["args"])  # argparse exits on an unknown flag
-    assert driver.command == "dra" and driver.health_file.startswith("/dev/shm/")
-    live = build_parser().parse_args(c["livenessProbe"]["exec"]["command"][1:])
-    ready = build_parser().parse_args(c["readinessProbe"]["exec"]["command"][1:])
-    assert live.command == ready.command == "healthcheck"
-    assert live.health_file == ready.health_file == driver.health_file
-    assert ready.ready and not live.ready
-    probe = c["readinessProbe"]
-    assert probe["periodSeconds"] * probe["failureThreshold"] <= 30 and probe["successThreshold"] == 1
+    objs = objects(values)
+    for mode in ("shared", "exclusive"):
+        ds = one(objs, "DaemonSet", f"-{mode}-dra")
+        assert ds["spec"]["minReadySeconds"] == values.get("minReadySeconds", 30)
+        (c,) = ds["spec"]["template"]["spec"]["containers"]
+        driver = build_parser().parse_args(c["args"])  # argparse exits on an unknown flag
+        assert driver.command == "dra" and driver.health_file.startswith("/dev/shm/")
+        live = build_parser().parse_args(c["livenessProbe"]["exec"]["command"][1:])
+        ready = build_parser().parse_args(c["readinessProbe"]["exec"]["command"][1:])
+        assert live.command == ready.command == "healthcheck"
+        assert live.health_file == ready.health_file == driver.health_file
+        assert ready.ready and not live.ready
+        probe = c["readinessProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] <= 30 and probe["successThreshold"] == 1
 
 
 DRA_ALERTS = {"RdmaDraDriverDown", "RdmaDraNotRegistered", "RdmaDraSlicesNotPublished", "RdmaDraPrepareErrors"}
