@@ -7,14 +7,20 @@ plugin_src/tests/test_dra_cluster.py):
 - prepare: NodePrepareResources for one claim, called over the driver's socket as the kubelet calls it,
   for claims the real scheduler allocated (a shared NIC each): fresh (claim read from the API, CDI spec
   and record written), again (idempotent: from the record), and NodeUnprepareResources;
-- RSS of the driver (VmRSS, VmHWM) after those.
+- RSS of the driver (VmRSS, VmHWM) after those;
+- API requests of the driver at rest (nothing changes on the node): counted by verb in the API
+  server's audit log (user agent ``rdma-device-plugin-dra``) over ``--rest-seconds``.
 
-    .venv/bin/python bench/bench_dra.py [--claims 200] [--starts 5] [--write-results bench/RESULTS.md]
+    .venv/bin/python bench/bench_dra.py [--claims 200] [--starts 5] [--rest-seconds 330] \\
+        [--write-results bench/RESULTS.md]
+    .venv/bin/python bench/bench_dra.py --only-rest [--rest-seconds 330]   # the requests at rest alone, printed
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import os
 import shutil
 import statistics
@@ -67,26 +73,79 @@ def pool_versions(api: ds.Api, node: str) -> frozenset[str]:
 
 
 def start_to_slices(api: ds.Api, node: ds.DraNode, starts: int) -> list[tuple[str, float]]:
-    """Each start of a driver the kubelet had registered (else the kubelet wipes the slices 30 s later)."""
+    """Spawn -> the pool complete in the API, each start on a node without the driver's slices (the
+    first start; the driver stopped and its slices deleted before each restart: a driver finding its
+    slices there rewrites nothing), then kubelet start (which deletes every slice of its node) -> the
+    pool complete again, the driver running."""
     out = []
     for i in range(starts):
-        before = pool_versions(api, node.name)
         node.stop_driver()
+        for s in api.slices(node.name):
+            with ds.kubeapi.suppress_not_found():
+                api.client.delete(f"{ds.SLICES}/{s['metadata']['name']}")
+        ds.wait_for("no slices", lambda: not api.slices(node.name), every=0.01)
         t0 = time.monotonic()
         node.start_driver()
-
-        def anew(b: frozenset[str] = before) -> bool:
-            v = pool_versions(api, node.name)
-            return bool(v) and not v & b
-
-        ds.wait_for("slices written anew", anew, every=0.01)
-        out.append(("first start" if i == 0 else "restart", time.monotonic() - t0))
+        ds.wait_for("slices written", lambda: pool_versions(api, node.name), every=0.01)
+        out.append(("first start" if i == 0 else "restart, slices deleted", time.monotonic() - t0))
 
         def registered(n: int = i + 1) -> bool:
             return sum(1 for r in node.log_lines() if r.get("msg") == "registered with the kubelet") >= n
 
         ds.wait_for("the kubelet's registration", registered)
+    for _ in range(starts):
+        before = pool_versions(api, node.name)
+        node.node.crash()
+        t0 = time.monotonic()
+        node.node.start()  # deletes the node's slices at its start
+
+        def anew(b: frozenset[str] = before) -> bool:
+            v = pool_versions(api, node.name)
+            return bool(v) and not v & b
+
+        ds.wait_for("slices written anew after the kubelet's start", anew, every=0.01)
+        out.append(("kubelet restart", time.monotonic() - t0))
     return out
+
+
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    userGroups: ["system:masters"]
+  - level: None
+"""
+
+
+def at_rest(cluster: ds.kube_cluster.Cluster, seconds: float) -> dict[str, int]:
+    """The driver's requests by verb (and resource) while nothing changes, from the audit log."""
+    log = cluster.dir / "logs" / "audit.log"
+    start = log.stat().st_size
+    time.sleep(seconds)
+    seen: dict[str, str] = {}
+    with log.open(encoding="utf-8") as fh:
+        fh.seek(start)
+        for line in fh:
+            event = json.loads(line)
+            if event.get("userAgent", "").startswith(ds.kubeapi.USER_AGENT):
+                ref = event.get("objectRef", {})
+                seen[event["auditID"]] = f"{event['verb']} {ref.get('resource', '')}"
+    return dict(collections.Counter(seen.values()))
+
+
+def rest_lines(counts: dict[str, int], seconds: float) -> list[str]:
+    total = sum(counts.values())
+    return [
+        f"### API requests of the driver at rest ({seconds:.0f} s, one node)",
+        "",
+        "Counted in the API server's audit log (user agent `rdma-device-plugin-dra`), nothing changing on the node.",
+        "",
+        "| request | count | per minute |",
+        "|---|---|---|",
+        *(f"| {k} | {v} | {v * 60 / seconds:.2f} |" for k, v in sorted(counts.items())),
+        f"| all | {total} | {total * 60 / seconds:.2f} |",
+    ]
 
 
 def call(stub: pb_grpc.DRAPluginStub, kind: str, uid: str, name: str) -> float:
@@ -106,10 +165,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--claims", type=int, default=200, help="claims to prepare (50 per pod)")
     ap.add_argument("--starts", type=int, default=5)
+    ap.add_argument("--rest-seconds", type=float, default=330.0, help="the window at rest (a watch lasts 300 s)")
+    ap.add_argument("--only-rest", action="store_true", help="measure the requests at rest only, print them")
     ap.add_argument("--write-results", metavar="FILE")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rdra-bench-", dir="/tmp"))
-    cluster = ds.kube_cluster.Cluster(work / "cl")
+    (work / "audit.yaml").write_text(AUDIT_POLICY)
+    cluster = ds.kube_cluster.Cluster(work / "cl", audit_policy=work / "audit.yaml")
     node = None
     load0 = os.getloadavg()
     try:
@@ -120,6 +182,15 @@ def main() -> int:
             if obj["kind"] == "DeviceClass":
                 api.apply(obj)
         node = ds.DraNode(cluster, "b1", work / "b1", index=1)
+        if args.only_rest:
+            node.start_driver()
+            ds.wait_for(
+                "registered", lambda: any(r.get("msg") == "registered with the kubelet" for r in node.log_lines())
+            )
+            ds.wait_for("slices", lambda: pool_versions(api, node.name))
+            print(f"at rest for {args.rest_seconds:.0f} s", flush=True)
+            print("\n".join(rest_lines(at_rest(cluster, args.rest_seconds), args.rest_seconds)))
+            return 0
         print(f"[2/4] start -> slices x{args.starts}", flush=True)
         starts = start_to_slices(api, node, args.starts)
         print(f"[3/4] {args.claims} claims allocated by the scheduler and prepared by the kubelet", flush=True)
@@ -133,7 +204,7 @@ def main() -> int:
             names += batch
         uids = {n: api.claim(n)["metadata"]["uid"] for n in names}
         print("[4/4] prepare / unprepare over the driver's socket", flush=True)
-        sock = node.kubelet_dir / "plugins" / ds.DRIVER / "dra.sock"
+        sock = node.endpoint
         fresh, again, unprep = [], [], []
         with grpc.insecure_channel(f"unix://{sock}") as ch:
             stub = pb_grpc.DRAPluginStub(ch)
@@ -147,6 +218,8 @@ def main() -> int:
         first_log = [
             r.get("seconds_from_start") for r in node.log_lines() if r.get("msg") == "first ResourceSlices in the API"
         ]
+        print(f"[5/5] at rest for {args.rest_seconds:.0f} s", flush=True)
+        rest = at_rest(cluster, args.rest_seconds)
     finally:
         if node is not None:
             node.close()
@@ -156,14 +229,15 @@ def main() -> int:
     lines = [
         "## DRA driver (bench/bench_dra.py)",
         "",
-        f"Command: `.venv/bin/python bench/bench_dra.py --claims {args.claims} --starts {args.starts}`; "
+        f"Command: `.venv/bin/python bench/bench_dra.py --claims {args.claims} --starts {args.starts} "
+        f"--rest-seconds {args.rest_seconds:.0f}`; "
         f"load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end (2 cores). Kubernetes v1.37.2 "
         "(etcd, kube-apiserver, -controller-manager, -scheduler) and kubelet-managers on one fixture node "
         "(4 bonded NICs), the driver as `rdma-device-plugin dra`.",
         "",
         "### Start -> ResourceSlices in the API server (s)",
         "",
-        "| start | spawn -> both slices written anew, as listed by the API "
+        "| start | spawn (kubelet start) -> both slices in the API "
         "| inside the driver: set-up done (imports, config) -> first write |",
         "|---|---|---|",
         *(
@@ -186,6 +260,8 @@ def main() -> int:
         "",
         f"VmRSS {rss / 1024:.1f} MiB, VmHWM {hwm / 1024:.1f} MiB, {threads} threads, after {len(names)} claims "
         "prepared, unprepared and prepared again.",
+        "",
+        *rest_lines(rest, args.rest_seconds),
     ]
     text = "\n".join(lines)
     print("\n" + text)

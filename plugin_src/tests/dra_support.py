@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 from rdma_device_plugin.dra import kubeapi
+from rdma_device_plugin.dra.kubeletplugin import Paths
 from rdma_node import fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,6 +119,16 @@ _PLURAL = {
     "ResourceClaim": ("/apis/resource.k8s.io/v1", "resourceclaims", True),
     "DeviceClass": ("/apis/resource.k8s.io/v1", "deviceclasses", False),
     "ResourceSlice": ("/apis/resource.k8s.io/v1", "resourceslices", False),
+    "Node": ("/api/v1", "nodes", False),
+    "ServiceAccount": ("/api/v1", "serviceaccounts", True),
+    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
+    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "ValidatingAdmissionPolicy": ("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicies", False),
+    "ValidatingAdmissionPolicyBinding": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicybindings",
+        False,
+    ),
 }
 
 
@@ -223,16 +235,24 @@ class DraNode:
         ).start()
         self.kubeconfig = cluster.kubeconfig
         self.proc: subprocess.Popen[bytes] | None = None
+        self.uid = ""
         self.log = root / "dra-driver.log"
 
-    def start_driver(self) -> DraNode:
+    def start_driver(self, uid: str = "") -> DraNode:
+        """Start the driver as a new pod would: its own UID (random unless given) names its sockets."""
+        self.uid = uid or str(uuid.uuid4())
+        self.proc = self.spawn(self.uid, self.config, self.log, self.root / "dra.health")
+        return self
+
+    def spawn(self, uid: str, config: Path, log: Path, health: Path, *extra: str) -> subprocess.Popen[bytes]:
+        """A driver process on this node (another instance beside :attr:`proc`: a rolling update)."""
         argv = [
             sys.executable,
             "-m",
             "rdma_device_plugin",
             "dra",
             "--config",
-            str(self.config),
+            str(config),
             "--node-name",
             self.name,
             "--kubeconfig",
@@ -246,13 +266,20 @@ class DraNode:
             "--dev-root",
             self.fixture.dev,
             "--health-file",
-            str(self.root / "dra.health"),
+            str(health),
             "--log-format",
             "json",
+            *extra,
         ]
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        return self
+        with log.open("ab") as out:
+            return subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, "POD_UID": uid}
+            )
+
+    @property
+    def endpoint(self) -> Path:
+        """The running instance's DRA socket (``plugins/<driver>/dra-<uid>.sock``)."""
+        return Path(Paths.of(str(self.kubelet_dir), DRIVER, self.uid).endpoint)
 
     def stop_driver(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -260,9 +287,9 @@ class DraNode:
             self.proc.wait(timeout=30)
         self.proc = None
 
-    def log_lines(self) -> list[dict[str, Any]]:
+    def log_lines(self, log: Path | None = None) -> list[dict[str, Any]]:
         out = []
-        for line in self.log.read_text(errors="replace").splitlines():
+        for line in (log or self.log).read_text(errors="replace").splitlines():
             try:
                 out.append(json.loads(line))
             except ValueError:

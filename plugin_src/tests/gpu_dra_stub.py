@@ -62,7 +62,7 @@ class GpuDraStub:
         self.publisher = Publisher(client, DRIVER, node, resync=5.0)
         spec = {"driver": DRIVER, "nodeName": node, "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}}
         self.publisher.set_specs({"devices": {**spec, "devices": self.devices}})
-        self.service = KubeletService(DRIVER, Paths.of(kubelet_dir, DRIVER), self.backend, HealthFeed())
+        self.service = KubeletService(DRIVER, Paths.of(kubelet_dir, DRIVER, "stub"), self.backend, HealthFeed())
 
     def start(self) -> GpuDraStub:
         self.publisher.start()

@@ -12,7 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,8 +24,10 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from dra_support import (
     DRIVER,
+    SLICES,
     Api,
     DraNode,
     allocated_devices,
@@ -42,6 +48,8 @@ from gpu_dra_stub import GpuDraStub
 
 from rdma_device_plugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from rdma_device_plugin.config import load_config_data
+from rdma_device_plugin.dra import kubeapi
+from rdma_device_plugin.dra.kubeletplugin import Paths
 from rdma_device_plugin.resources import ResourcePool
 
 # Each test waits for the real scheduler and kubelet with its own generous deadlines; the module's
@@ -223,6 +231,33 @@ def test_slices_published_and_republished_after_a_kubelet_restart(api: Api, shar
     objs.pod("after-restart", shared, ("after-restart",))
     wait_for("the pod running", lambda: running(api, "after-restart"))
     assert shared.got("after-restart")[0]["RDMA_DEVICES"] == "mlx5_bond_0"
+
+
+def test_a_metadata_edit_rewrites_nothing_and_counters_are_written_first(api: Api, shared: DraNode) -> None:
+    """The publisher compares content, not resourceVersion: an admin's label on a slice is kept and
+    rewrites nothing. A change of content (a port going down) moves the pool to exactly one new
+    generation, the counters slice written before the devices slice that consumes its counters."""
+    before = wait_for("slices", lambda: complete(api.slices(shared.name)))
+    generation = before[0]["spec"]["pool"]["generation"]
+    devices = next(s for s in before if s["spec"].get("devices"))
+    labels = {**devices["metadata"]["labels"], "example.com/touched": "yes"}
+    api.client.update(
+        f"{SLICES}/{devices['metadata']['name']}", {**devices, "metadata": {**devices["metadata"], "labels": labels}}
+    )
+    shared.fixture.set_port_state("mlx5_bond_0", "DOWN")  # after the label: the driver sees it first
+    try:
+        after = wait_for(
+            "mlx5_bond_0 tainted",
+            lambda: _taints(api, shared)["mlx5-bond-0"] and complete(api.slices(shared.name)),
+        )
+        assert {s["spec"]["pool"]["generation"] for s in after} == {generation + 1}  # none for the label
+        by_kind = {s["metadata"]["labels"]["rdma.lingjun.io/slice"]: s for s in after}
+        assert by_kind["devices"]["metadata"]["labels"]["example.com/touched"] == "yes"
+        rv = {k: int(s["metadata"]["resourceVersion"]) for k, s in by_kind.items()}
+        assert rv["counters"] < rv["devices"]
+    finally:
+        shared.fixture.set_port_state("mlx5_bond_0", "ACTIVE")
+    wait_for("the taints gone", lambda: not any(_taints(api, shared).values()))
 
 
 # ------------------------------------------------------------------ sharing
@@ -438,7 +473,7 @@ def test_a_nic_going_down_stops_new_allocations(api: Api, shared: DraNode, objs:
 
 
 def _prepare(node: DraNode, uid: str, name: str, beta: bool = False) -> Any:
-    sock = node.kubelet_dir / "plugins" / DRIVER / "dra.sock"
+    sock = node.endpoint
     pb, stub = (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc) if beta else (dra_v1_pb2, dra_v1_pb2_grpc)
     with grpc.insecure_channel(f"unix://{sock}") as ch:
         req = pb.NodePrepareResourcesRequest(claims=[pb.Claim(namespace="default", uid=uid, name=name)])
@@ -446,7 +481,7 @@ def _prepare(node: DraNode, uid: str, name: str, beta: bool = False) -> Any:
 
 
 def _unprepare(node: DraNode, uid: str, name: str) -> Any:
-    sock = node.kubelet_dir / "plugins" / DRIVER / "dra.sock"
+    sock = node.endpoint
     with grpc.insecure_channel(f"unix://{sock}") as ch:
         req = dra_v1_pb2.NodeUnprepareResourcesRequest(
             claims=[dra_v1_pb2.Claim(namespace="default", uid=uid, name=name)]
@@ -475,7 +510,7 @@ def test_prepare_and_unprepare_are_idempotent(api: Api, exclusive: DraNode, objs
     mtime = cdi.stat().st_mtime_ns
     exclusive.stop_driver()
     exclusive.start_driver()
-    wait_for("the driver serving again", (exclusive.kubelet_dir / "plugins" / DRIVER / "dra.sock").exists)
+    wait_for("the driver serving again", exclusive.endpoint.exists)
     assert _devices(wait_for("prepare after the restart", lambda: _retry_prepare(exclusive, uid, "idem"))) == _devices(
         first
     )
@@ -522,3 +557,303 @@ def test_prepare_names_a_nic_that_is_down_or_vanished(api: Api, exclusive: DraNo
         assert not down.devices and not gone.devices
     finally:
         exclusive.fixture.set_port_state("mlx5_bond_2", "ACTIVE")
+
+
+# ------------------------------------------------------------------ rolling update
+
+
+def _said(node: DraNode, log: Path, msg: str) -> bool:
+    return any(line.get("msg") == msg for line in node.log_lines(log))
+
+
+def test_two_overlapping_instances_hand_over_without_a_failed_prepare(
+    api: Api, cluster: kube_cluster.Cluster, workdir: Path, objs: Objects
+) -> None:
+    """A rolling update with maxSurge (a new instance beside the old one, the old one deleted once the
+    new one is up), then a mode-label switch (the old DaemonSet's pod deleted as the other's starts),
+    on a node of its own, against the kubelet's DRA plugin manager: every pod meanwhile is prepared at
+    the first attempt, the node's slices are the same objects throughout (never wiped by the kubelet),
+    and no instance removes another's sockets."""
+    node = _node(cluster, api, workdir, "n3", 3, "shared")
+    later: list[subprocess.Popen[bytes]] = []
+    try:
+        slice_uids = {s["metadata"]["uid"] for s in api.slices(node.name)}
+
+        def same_slices() -> bool:
+            return {s["metadata"]["uid"] for s in api.slices(node.name)} == slice_uids
+
+        def pod_with_a_claim(name: str) -> None:
+            objs.claim(name, request("nic", NIC))
+            objs.pod(name, node, (name,))
+            wait_for(f"pod {name} running", lambda: running(api, name))
+
+        wait_for("instance a registered", lambda: _said(node, node.log, "registered with the kubelet"))
+        pod_with_a_claim("ov-a")
+        a_uid = node.uid
+        # The rolling update: instance b (a new pod) beside a.
+        b_log, c_log = node.root / "dra-b.log", node.root / "dra-c.log"
+        b = node.spawn("pod-b", node.config, b_log, node.root / "b.health", "--handover-seconds", "20")
+        later.append(b)
+        wait_for("instance b registered", lambda: _said(node, b_log, "registered with the kubelet"))
+        pod_with_a_claim("ov-ab")
+        node.stop_driver()  # the DaemonSet deletes a once b is available
+        a_paths, b_paths = (Paths.of(str(node.kubelet_dir), DRIVER, uid) for uid in (a_uid, "pod-b"))
+        assert not os.path.exists(a_paths.registration) and not os.path.exists(a_paths.endpoint)
+        assert os.path.exists(b_paths.registration) and os.path.exists(b_paths.endpoint)
+        pod_with_a_claim("ov-b")
+        a_claim = api.claim("ov-a")["metadata"]["uid"]
+        objs.delete_pod("ov-a")  # unprepared by b
+        wait_for("ov-a's CDI spec removed", lambda: not (node.cdi_dir / f"{DRIVER}-claim_{a_claim}.json").exists())
+        assert same_slices()
+
+        # The mode switch: relabelled, the shared DaemonSet's pod b is deleted as the exclusive one's c
+        # starts; b serves until c is registered.
+        exclusive_config = node.root / "dra-config-exclusive.yaml"
+        exclusive_config.write_text(node.config.read_text().replace("mode: shared", "mode: exclusive"))
+        b.send_signal(signal.SIGTERM)
+        port = kube_cluster.free_port()
+        c = node.spawn(
+            "pod-c", exclusive_config, c_log, node.root / "c.health", "--metrics-address", f"127.0.0.1:{port}"
+        )
+        later.append(c)
+        assert b.wait(timeout=60) == 0
+        assert _said(node, b_log, "a newer instance is registered: handing over")
+        assert _said(node, c_log, "registered with the kubelet")
+        objs.pod("ov-c", node, limits={"rdma/hca": "1"})
+        p = wait_for("the rdma/hca pod running on the exclusive-mode node", lambda: running(api, "ov-c"))
+        devices = allocated_devices(api, p["status"]["extendedResourceClaimStatus"]["resourceClaimName"])
+        assert len(devices) == 1 and devices[0].endswith("-x")
+        assert same_slices()
+        # c prepared ov-c: counted per NIC, ready, registered (its metrics)
+        m = _scrape(port)
+        nic = devices[0][: -len("-x")].replace("-", "_")
+        assert m[f'rdma_dra_claims_prepared{{nic="{nic}"}}'] == 1
+        assert m['rdma_dra_requests_total{operation="prepare",result="ok"}'] >= 1
+        assert m['rdma_dra_requests_total{operation="prepare",result="error"}'] == 0
+        assert m["rdma_dra_registered"] == 1 and m["rdma_dra_slices_in_sync"] == 1 and m["rdma_dra_superseded"] == 0
+        # the health file is written once a second: ready within the readinessProbe's period
+        wait_for("c ready", lambda: _healthcheck(node.root / "c.health", ready=True).returncode == 0, timeout=60)
+        failed = api.get("/api/v1/namespaces/default/events", fieldSelector="reason=FailedPrepareDynamicResources")
+        assert not [e for e in failed["items"] if e["involvedObject"]["name"].startswith("ov-")]
+        for log in (node.log, b_log, c_log):
+            assert not _said(node, log, "prepare failed")
+    finally:
+        objs.cleanup()
+        for proc in later:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+        node.close()
+
+
+# ------------------------------------------------------------------ readiness, liveness, metrics
+
+
+def _healthcheck(health: Path, ready: bool) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "rdma_device_plugin", "healthcheck", "--health-file", str(health)]
+    return subprocess.run([*argv, *(["--ready"] if ready else [])], capture_output=True, text=True, timeout=60)
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """``name{labels}`` -> value of the driver's metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")}
+
+
+def test_readiness_follows_the_registration_and_the_slices(
+    api: Api, cluster: kube_cluster.Cluster, shared: DraNode, workdir: Path
+) -> None:
+    """Ready: registered with the kubelet and the node's slices of the newest content in the API (the
+    chart's readinessProbe). A driver that can publish nothing (its user may not write slices) on a node
+    whose kubelet never registers it stays live but not ready, says both reasons, and counts its publish
+    failures in its metrics."""
+    wait_for("the node's driver ready", lambda: _healthcheck(shared.root / "dra.health", ready=True).returncode == 0)
+
+    req = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}}
+    token = api.client.create("/api/v1/namespaces/default/serviceaccounts/default/token", req)["status"]["token"]
+    root = workdir / "unready"
+    root.mkdir()
+    kubeconfig = root / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {
+                            "server": cluster.server(),
+                            "certificate-authority": str(cluster.dir / "pki/ca.crt"),
+                        },
+                    }
+                ],
+                "users": [{"name": "u", "user": {"token": token}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    port = kube_cluster.free_port()
+    health, log = root / "dra.health", root / "dra.log"
+    argv = [
+        sys.executable, "-m", "rdma_device_plugin", "dra", "--config", str(shared.config), "--node-name", "no-kubelet",
+        "--kubeconfig", str(kubeconfig), "--kubelet-dir", str(root / "kubelet"), "--cdi-dir", str(root / "cdi"),
+        "--sysfs-root", shared.fixture.sysfs, "--dev-root", shared.fixture.dev, "--health-file", str(health),
+        "--metrics-address", f"127.0.0.1:{port}", "--log-format", "json",
+    ]  # fmt: skip
+    with log.open("ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+
+        def unready() -> str | None:
+            r = _healthcheck(health, ready=True)
+            return r.stderr if r.returncode == 1 and "403" in r.stderr else None
+
+        why = wait_for("not ready, saying why", unready, timeout=60)
+        assert "are not all in the API yet: 403" in why, why
+        assert "not registered with the kubelet (NotifyRegistrationStatus received)" in why, why
+        assert _healthcheck(health, ready=False).returncode == 0  # live: a restart would not help
+        m = wait_for(
+            "publish failures counted", lambda: (x := _scrape(port))["rdma_dra_publish_failures_total"] > 1 and x
+        )
+        assert m["rdma_dra_slices_in_sync"] == 0 and m["rdma_dra_registered"] == 0
+        published = (
+            m['rdma_dra_devices_published{health="Healthy"}'] + m['rdma_dra_devices_published{health="Unhealthy"}']
+        )
+        assert published == len(slice_devices(api.slices(shared.name)))  # the same fixture node's devices
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+# ------------------------------------------------------------------ node-scoped writes
+
+SA_NS = "kube-system"
+POLICY_KINDS = (
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+)
+
+
+def _slice(node: str, driver: str = DRIVER, name: str = "") -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name or f"{node}-{driver}-probe"},
+        "spec": {"driver": driver, "nodeName": node, "pool": {"name": node, "resourceSliceCount": 1}, "devices": []},
+    }
+
+
+def _token_client(api: Api, cluster: kube_cluster.Cluster, sa: str, bound: dict[str, Any]) -> kubeapi.Client:
+    """The driver's own HTTPS client with a token of ``sa`` bound to ``bound`` (a Node, or a Pod on a node)."""
+    ref = {
+        "apiVersion": "v1",
+        "kind": bound["kind"],
+        "name": bound["metadata"]["name"],
+        "uid": bound["metadata"]["uid"],
+    }
+    req = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"boundObjectRef": ref}}
+    token = api.client.create(f"/api/v1/namespaces/{SA_NS}/serviceaccounts/{sa}/token", req)["status"]["token"]
+    return kubeapi.Client(
+        kubeapi.Credentials(server=cluster.server(), ca_file=str(cluster.dir / "pki/ca.crt"), token=token)
+    )
+
+
+def _refused(call: Any) -> str:
+    try:
+        call()
+    except kubeapi.ApiError as exc:
+        assert exc.code == 403, exc
+        return str(exc)
+    raise AssertionError("the write was accepted")
+
+
+def test_a_nodes_token_writes_only_its_own_slices(api: Api, cluster: kube_cluster.Cluster) -> None:
+    """The chart's ServiceAccount, RBAC and slice policy in the real API server: a token of the driver's
+    ServiceAccount bound to node A (to the Node, or to a pod on it, as the kubelet's projected token is)
+    publishes A's slices through the driver's Publisher, and is refused (403) on node B's slices and on
+    another driver's slice of A; the admin is not affected."""
+    from rdma_device_plugin.dra.publisher import Publisher
+
+    chart = [
+        o
+        for o in chart_objects({"driver": "dra"})
+        if o["kind"] in POLICY_KINDS and (o["kind"] == "ServiceAccount" or "-dra" in o["metadata"]["name"])
+    ]
+    assert sorted(o["kind"] for o in chart) == sorted(POLICY_KINDS)
+    sa = next(o for o in chart if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    nodes = [api.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": n}}) for n in ("vap-a", "vap-b")]
+    theirs = [_slice("vap-b"), _slice("vap-a", GPU_DRIVER)]
+    try:
+        for obj in chart:
+            api.apply(obj)
+        b_pod = api.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "vap-driver-b", "namespace": SA_NS},
+                "spec": {
+                    "serviceAccountName": sa,
+                    "nodeName": "vap-b",
+                    "terminationGracePeriodSeconds": 0,
+                    "containers": [{"name": "c", "image": "registry.example.com/workload:1"}],
+                },
+            }
+        )
+        for obj in theirs:
+            api.apply(obj)
+        a = _token_client(api, cluster, sa, nodes[0])
+        b = _token_client(api, cluster, sa, b_pod)
+        # The policy is in force once the API server's informers have it (a dry run changes nothing).
+        wait_for(
+            "the slice policy in force",
+            lambda: _denied_dry_run(a, "vap-b-rdma.lingjun.io-probe"),
+            timeout=60,
+        )
+
+        # Its own node: the driver's Publisher creates, rewrites and deletes A's slices.
+        pub = Publisher(a, DRIVER, "vap-a")
+        spec = _slice("vap-a")["spec"]
+        pub.set_specs({"devices": spec})
+        assert pub.reconcile() and len(api.slices("vap-a")) == 1
+        pub.set_specs({"devices": {**spec, "devices": [{"name": "d0"}]}})
+        assert pub.reconcile() and api.slices("vap-a")[0]["spec"]["devices"] == [{"name": "d0"}]
+        pub.delete_all()
+        assert api.slices("vap-a") == []
+
+        # Node B's slice: create, update, delete refused (spec.nodeName itself is immutable).
+        b_slice = api.get(f"{SLICES}/vap-b-{DRIVER}-probe")
+        who = f"system:serviceaccount:{SA_NS}:{sa} on node vap-a may write only that node's ResourceSlices"
+        assert who in _refused(lambda: a.create(SLICES, _slice("vap-b", name="forged")))
+        assert "not node vap-b's" in _refused(lambda: a.update(f"{SLICES}/{b_slice['metadata']['name']}", b_slice))
+        assert "not node vap-b's" in _refused(lambda: a.delete(f"{SLICES}/{b_slice['metadata']['name']}"))
+        # Another driver's slice on its own node (the GPU driver's): refused too.
+        gpu = f"{SLICES}/vap-a-{GPU_DRIVER}-probe"
+        assert f"not of {GPU_DRIVER}" in _refused(lambda: a.delete(gpu))
+        assert f"not of {GPU_DRIVER}" in _refused(lambda: a.create(SLICES, _slice("vap-a", GPU_DRIVER, "gpu-forged")))
+        # A token bound to a pod on node B (the kubelet's projected token): B's slices only.
+        b.delete(f"{SLICES}/{b_slice['metadata']['name']}")
+        assert "on node vap-b may write only" in _refused(lambda: b.create(SLICES, _slice("vap-a", name="forged")))
+        # Nothing the refused calls tried is there; the admin is not matched by the policy.
+        assert api.slices("vap-b") == [] and [s["metadata"]["name"] for s in api.slices("vap-a", GPU_DRIVER)] == [
+            f"vap-a-{GPU_DRIVER}-probe"
+        ]
+    finally:
+        for obj in [*theirs, *reversed(chart)]:
+            api.delete(obj)
+        api.delete({"kind": "Pod", "metadata": {"name": "vap-driver-b", "namespace": SA_NS}})
+        for n in nodes:
+            api.delete(n)
+
+
+def _denied_dry_run(client: kubeapi.Client, name: str) -> bool:
+    try:
+        client.request("DELETE", f"{SLICES}/{name}", query={"dryRun": "All"})
+    except kubeapi.ApiError as exc:
+        return exc.code == 403
+    return False

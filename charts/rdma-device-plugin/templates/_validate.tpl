@@ -20,6 +20,13 @@ check fails.
 {{- if and (include "rdma-device-plugin.draEnabled" .) (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "resource.k8s.io/v1/DeviceClass" "minKube" "1.36.0-0"))) }}
 {{- $errors = append $errors (printf "driver=dra (or dra.enabled) needs resource.k8s.io/v1 with consumable capacity and extended-resource DeviceClasses (Kubernetes >= 1.36), which this cluster (%s) does not serve; keep driver=devicePlugin and dra.enabled=false, or render with --kube-version/--api-versions of the real cluster (docs/dra.md)" .Capabilities.KubeVersion.Version) }}
 {{- end }}
+{{- /* the DRA ClusterRole is bound to the chart's ServiceAccount: never to the namespace's default one,
+whose token every pod of the namespace gets */}}
+{{- if and (include "rdma-device-plugin.draEnabled" .) (not $v.serviceAccount.create) (not $v.serviceAccount.name) }}
+{{- $errors = append $errors (printf "serviceAccount.create=false without serviceAccount.name: the DRA driver's ClusterRole (ResourceSlices write) would be bound to %s:default, which every pod of the namespace runs as; set serviceAccount.name to a ServiceAccount only the driver uses, or serviceAccount.create=true" (include "rdma-device-plugin.namespace" .)) }}
+{{- else if and (include "rdma-device-plugin.draEnabled" .) (eq (toString $v.serviceAccount.name) "default") }}
+{{- $errors = append $errors (printf "serviceAccount.name=default: the DRA driver's ClusterRole (ResourceSlices write) would be bound to %s:default, which every pod of the namespace runs as; name a ServiceAccount only the driver uses" (include "rdma-device-plugin.namespace" .)) }}
+{{- end }}
 
 {{- /* resource pools: names unique across resourceName and extraResources, sharedDevices in range */}}
 {{- $seen := dict }}

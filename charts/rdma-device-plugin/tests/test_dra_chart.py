@@ -5,13 +5,19 @@ plugin_src/tests/test_dra_cluster.py.)"""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import helm_python
 import kubernetes_validate
 import pytest
-from conftest import MONITORING, VAP_KINDS, by_kind, one, parse, render_raw
+import yaml
+from conftest import CASES, MONITORING, VAP_KINDS, by_kind, one, parse, render_raw
 from test_affinity import LINGJUN, MODE, NFD, schedulable
+
+from rdma_device_plugin.cli import build_parser
 
 DRIVER_LABEL = "rdma.lingjun.io/driver"
 DRA_API = "resource.k8s.io/v1/DeviceClass"
@@ -123,3 +129,142 @@ def test_dra_on_a_cluster_without_it_is_refused_with_the_fix() -> None:
         render_raw({"driver": "dra"}, kube_version="v1.33.0", api_versions=(*VAP_KINDS, *MONITORING))
     with pytest.raises(helm_python.HelmError, match=r"at '/driver': value must be one of 'devicePlugin', 'dra'"):
         render_raw({"driver": "nvidia"}, kube_version="v1.37.0", api_versions=API)
+
+
+def test_slice_writes_are_scoped_to_the_drivers_node_and_driver() -> None:
+    """The policy's CEL is evaluated by the real API server in plugin_src/tests/test_dra_cluster.py
+    (test_a_nodes_token_writes_only_its_own_slices); here: what it matches and who it binds."""
+    objs = objects({"driver": "dra", "dra": {"driverName": "rdma.example.com"}})
+    policy = one(objs, "ValidatingAdmissionPolicy", "-dra-slices")["spec"]
+    binding = one(objs, "ValidatingAdmissionPolicyBinding", "-dra-slices")["spec"]
+    assert binding == {"policyName": "rdma-rdma-device-plugin-dra-slices", "validationActions": ["Deny"]}
+    assert policy["failurePolicy"] == "Fail"
+    (rule,) = policy["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["resourceslices"] and rule["operations"] == ["CREATE", "UPDATE", "DELETE"]
+    user = "system:serviceaccount:kube-system:rdma-rdma-device-plugin"
+    assert policy["matchConditions"][0]["expression"] == f'request.userInfo.username == "{user}"'
+    assert 'd == "rdma.example.com"' in policy["validations"][2]["expression"]
+    assert not [o for o in objects({}) if o["kind"] == "ValidatingAdmissionPolicy" and "-dra-" in o["metadata"]["name"]]
+
+
+@pytest.mark.parametrize("account", [{"create": False}, {"create": False, "name": "default"}, {"name": "default"}])
+def test_dra_never_binds_its_role_to_the_namespaces_default_account(account: dict[str, Any]) -> None:
+    with pytest.raises(helm_python.HelmError, match=r"would be bound to kube-system:default, which every pod"):
+        render_raw({"driver": "dra", "serviceAccount": account}, kube_version="v1.37.0", api_versions=API)
+    objs = objects({"driver": "dra", "serviceAccount": {"create": False, "name": "rdma-dra"}})
+    assert one(objs, "ClusterRoleBinding", "-dra")["subjects"][0]["name"] == "rdma-dra"
+    assert "system:serviceaccount:kube-system:rdma-dra" in str(one(objs, "ValidatingAdmissionPolicy", "-dra-slices"))
+    render_raw({"serviceAccount": {"create": False}}, kube_version="v1.37.0", api_versions=API)  # no DRA: no role
+
+
+@pytest.mark.parametrize(
+    ("strategy", "expected"),
+    [
+        (None, {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "10%", "maxUnavailable": 0}}),
+        ({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 3}}, {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 3, "maxUnavailable": 0}}),
+        ({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": "5%"}}, {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "5%", "maxUnavailable": 0}}),
+        ({"type": "OnDelete"}, {"type": "OnDelete"}),
+    ],
+)
+def test_the_dra_driver_rolls_with_surge_and_hands_over(strategy: dict[str, Any] | None, expected: dict[str, Any]) -> None:
+    """Per node the new driver pod starts beside the old one (its own sockets: POD_UID), and an old pod
+    deleted first (the mode-label switch) serves on until the new one is registered."""
+    values: dict[str, Any] = {"driver": "dra"}
+    if strategy is not None:
+        values["updateStrategy"] = strategy
+    for mode in ("shared", "exclusive"):
+        ds = one(objects(values), "DaemonSet", f"-{mode}-dra")
+        assert ds["spec"]["updateStrategy"] == expected
+        pod = ds["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        assert {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}} in c["env"]
+        handover = float(c["args"][c["args"].index("--handover-seconds") + 1])
+        assert 0 < handover < pod["terminationGracePeriodSeconds"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dra_probes_are_the_drivers_own_and_min_ready_seconds_hold_a_bad_rollout(case: str) -> None:
+    """As the device plugin's (test_plugin_contract.py), for every values case: the args parse with the
+    driver's own CLI; liveness and readiness run its `healthcheck` on the file it writes (readiness with
+    --ready: registered with the kubelet and the node's slices of the newest content in the API,
+    plugin_src/tests/test_dra_cluster.py::test_readiness_follows_the_registration_and_the_slices); the
+    DaemonSet counts a pod available only after minReadySeconds."""
+    values = {**CASES[case], "driver": "dra"}
+    objs = objects(values)
+    for mode in ("shared", "exclusive"):
+        ds = one(objs, "DaemonSet", f"-{mode}-dra")
+        assert ds["spec"]["minReadySeconds"] == values.get("minReadySeconds", 30)
+        (c,) = ds["spec"]["template"]["spec"]["containers"]
+        driver = build_parser().parse_args(c["args"])  # argparse exits on an unknown flag
+        assert driver.command == "dra" and driver.health_file.startswith("/dev/shm/")
+        live = build_parser().parse_args(c["livenessProbe"]["exec"]["command"][1:])
+        ready = build_parser().parse_args(c["readinessProbe"]["exec"]["command"][1:])
+        assert live.command == ready.command == "healthcheck"
+        assert live.health_file == ready.health_file == driver.health_file
+        assert ready.ready and not live.ready
+        probe = c["readinessProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] <= 30 and probe["successThreshold"] == 1
+
+
+DRA_ALERTS = {"RdmaDraDriverDown", "RdmaDraNotRegistered", "RdmaDraSlicesNotPublished", "RdmaDraPrepareErrors"}
+DRA_PROMTOOL = Path(__file__).parent / "promtool" / "dra"
+
+
+def dra_rule_groups(extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    values = {"driver": "dra", "metrics": {"enabled": True, "prometheusRule": {"enabled": True}}, **(extra or {})}
+    groups: list[dict[str, Any]] = one(objects(values), "PrometheusRule")["spec"]["groups"]
+    return groups
+
+
+def _promtool_dra(tmp_path: Path, groups: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "rules-dra.yaml").write_text(yaml.safe_dump({"groups": groups}), encoding="utf-8")
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: install Debian's prometheus (make system-deps)"
+    check = subprocess.run([promtool, "check", "rules", str(tmp_path / "rules-dra.yaml")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    shutil.copy(DRA_PROMTOOL / "dra.test.yaml", tmp_path / "dra.test.yaml")
+    return subprocess.run([promtool, "test", "rules", str(tmp_path / "dra.test.yaml")], capture_output=True, text=True, timeout=300)
+
+
+def test_dra_alerts_fire_per_node_and_stay_quiet_through_a_rolling_update(tmp_path: Path) -> None:
+    """The DRA driver's alerts with the real `promtool test rules` (promtool/dra/dra.test.yaml), as the
+    device plugin's (test_observability.py); with their runbooks in docs/alerts.md."""
+    groups = dra_rule_groups()
+    assert [g["name"] for g in groups] == ["rdma-device-plugin", "rdma-dra-driver"]
+    rules = groups[1]["rules"]
+    assert {r["alert"] for r in rules} == DRA_ALERTS
+    tested = {c["alertname"] for t in yaml.safe_load((DRA_PROMTOOL / "dra.test.yaml").read_text())["tests"] for c in t["alert_rule_test"]}
+    assert tested == DRA_ALERTS
+    runbooks = (Path(__file__).parents[3] / "docs" / "alerts.md").read_text(encoding="utf-8")
+    for r in rules:
+        assert 'job="rdma-rdma-device-plugin-dra-metrics"' in r["expr"] and "{{ $labels.node }}" in r["annotations"]["summary"]
+        assert f"## {r['alert']}" in runbooks and r["annotations"]["runbook_url"].endswith(f"#{r['alert'].lower()}")
+    result = _promtool_dra(tmp_path, groups)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # a rule that looks at each instance instead of the node fires for the superseded old instance
+    broken = yaml.safe_load(yaml.safe_dump(groups))
+    rule = next(r for r in broken[1]["rules"] if r["alert"] == "RdmaDraSlicesNotPublished")
+    rule["expr"] = 'rdma_dra_slices_in_sync{job="rdma-rdma-device-plugin-dra-metrics"} == 0'
+    assert _promtool_dra(tmp_path, broken).returncode != 0
+    assert [g["name"] for g in one(objects({"metrics": {"enabled": True, "prometheusRule": {"enabled": True}}}), "PrometheusRule")["spec"]["groups"]] == ["rdma-device-plugin"]
+
+
+@pytest.mark.parametrize("kind", ["PodMonitor", "ServiceMonitor"])
+def test_the_dra_driver_is_scraped_as_its_own_job(kind: str) -> None:
+    values = {"driver": "dra", "metrics": {"enabled": True, "serviceMonitor": {"enabled": True, "kind": kind}}}
+    objs = objects(values)
+    ds = one(objs, "DaemonSet", "-shared-dra")
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    assert c["args"][c["args"].index("--metrics-address") + 1] == "[$(POD_IP)]:9410"
+    assert c["env"][0]["name"] == "POD_IP" and c["ports"] == [{"name": "metrics", "containerPort": 9410, "protocol": "TCP"}]
+    monitor = one(objs, kind)["spec"]
+    components = monitor["selector"]["matchExpressions"][0]["values"]
+    if kind == "PodMonitor":
+        assert components == ["device-plugin", "dra-driver"]
+        relabel = monitor["podMetricsEndpoints"][0]["relabelings"][-1]
+        assert relabel["regex"] == "dra-driver" and relabel["replacement"] == "rdma-rdma-device-plugin-dra-metrics"
+    else:
+        assert components == ["metrics", "dra-metrics"]
+        service = one(objs, "Service", "-dra-metrics")
+        assert service["spec"]["selector"]["app.kubernetes.io/component"] == "dra-driver"
+        assert service["metadata"]["labels"]["app.kubernetes.io/component"] == "dra-metrics"

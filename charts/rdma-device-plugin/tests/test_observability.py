@@ -183,7 +183,9 @@ def test_docs_alerts_table_matches_the_rules() -> None:
 
     text = (Path(__file__).parents[3] / "docs" / "alerts.md").read_text(encoding="utf-8")
     rows = {m[0]: (m[1], m[2]) for m in re.findall(r"^\| (Rdma\w+) \|[^\n]*\| `?(\w+)`? \| (critical|warning) \|$", text, flags=re.M)}
-    rules = {r["alert"]: (r["for"], r["labels"]["severity"]) for r in rule_groups()[0]["rules"]}
+    from test_dra_chart import dra_rule_groups
+
+    rules = {r["alert"]: (r["for"], r["labels"]["severity"]) for r in [*rule_groups()[0]["rules"], *dra_rule_groups()[1]["rules"]]}
     assert rows == rules
 
 

@@ -139,11 +139,13 @@ def check_ready(path: str, now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
     with open(path, encoding="utf-8") as fh:
         doc = json.load(fh)
+    means = doc.get("registered_means", "its ListAndWatch stream open")
     for resource, since in sorted(doc.get("unregistered_since", {}).items()):
         problems.append(
-            f"resource {resource} is not registered with the kubelet (its ListAndWatch stream open) "
-            f"since {now - float(since):.0f} s"
+            f"resource {resource} is not registered with the kubelet ({means}) since {now - float(since):.0f} s"
         )
     if not problems and not doc.get("registered") and not doc.get("stood_down"):
         problems.append("no resource is registered with the kubelet yet")
+    # what else the process says keeps it from serving (the DRA driver: its slices not in the API)
+    problems += [str(p) for p in doc.get("not_ready", [])]
     return problems

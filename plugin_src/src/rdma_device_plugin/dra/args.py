@@ -25,12 +25,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the kubelet's root dir: plugins_registry/ and plugins/<driver>/ are below it",
     )
     p.add_argument(
+        "--instance-uid",
+        default=env("POD_UID", ""),
+        help="names this instance's sockets (env POD_UID: the chart sets the pod's UID; default: a random one)",
+    )
+    p.add_argument(
+        "--handover-seconds",
+        type=float,
+        default=float(env("RDMA_DRA_HANDOVER_SECONDS", "0")),
+        help="on SIGTERM, serve on until a newer instance on the node is registered, at most this long "
+        "(the chart: 20; 0: stop at once)",
+    )
+    p.add_argument(
         "--cdi-dir", default=env("RDMA_DP_CDI_DIR", "/var/run/cdi"), help="CDI spec dir (default /var/run/cdi)"
     )
     p.add_argument(
         "--state-dir",
         default=env("RDMA_DRA_STATE_DIR", ""),
         help="prepared claims (default <kubelet-dir>/plugins/<driver>)",
+    )
+    p.add_argument(
+        "--metrics-address",
+        default=env("RDMA_DRA_METRICS_ADDRESS", ""),
+        help="serve Prometheus metrics on HOST:PORT (e.g. [$(POD_IP)]:9410; empty: off)",
     )
     p.add_argument(
         "--health-file",

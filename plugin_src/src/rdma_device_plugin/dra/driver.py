@@ -30,11 +30,14 @@ from ..supervision import remove_health, write_health
 from . import kubeapi, model
 from .claims import Claims
 from .inventory import Inventory
+from .kubeletplugin import Instances, Paths, instance_uid
+from .metrics import Metrics, RequestStats, State
 from .publisher import Publisher
-from .service import DeviceHealth, HealthFeed, KubeletService, Paths
+from .service import DeviceHealth, HealthFeed, KubeletService
 
 LOG = logging.getLogger("rdma_device_plugin.dra")
 RELIST_CHECK_SECONDS = 1.0
+PUBLISH_MAX_AGE_SECONDS = 300.0
 
 
 def pool_config(config: PluginConfig) -> PluginConfig:
@@ -46,7 +49,7 @@ def pool_config(config: PluginConfig) -> PluginConfig:
 
 
 class Driver:
-    def __init__(self, args: argparse.Namespace, config: PluginConfig, client: kubeapi.Client) -> None:
+    def __init__(self, args: argparse.Namespace, config: PluginConfig, client: kubeapi.Client, uid: str) -> None:
         self.args = args
         self.config = config
         self.node = args.node_name
@@ -61,14 +64,32 @@ class Driver:
         self._published = model.build(self.driver, self.node, config.mode, [], [], {})
         self._published_lock = threading.Lock()
         self._key: object = None
+        self.build_error = ""  # why the model of this node's NICs cannot be built (readiness)
         self.feed = HealthFeed()
         self.first_published: float | None = None  # seconds from start to the first slices in the API
-        self.publisher = Publisher(client, self.driver, self.node, on_published=self._on_published)
+        self.paths = Paths.of(args.kubelet_dir, self.driver, uid)
+        self.instances = Instances(self.paths.plugin_dir)
+        self.publisher = Publisher(
+            client, self.driver, self.node, on_published=self._on_published, may_publish=self.instances.newest
+        )
         state_dir = args.state_dir or os.path.join(args.kubelet_dir, "plugins", self.driver)
         self.claims = Claims(client, self.driver, self.node, state_dir, args.cdi_dir, self.published, self.pools)
-        self.timings: list[float] = []
+        self.stats = RequestStats()
         self.service = KubeletService(
-            self.driver, Paths.of(args.kubelet_dir, self.driver), self.claims, self.feed, self._registered
+            self.driver, self.paths, self.claims, self.feed, self._registered, stats=self.stats
+        )
+        self.metrics = Metrics(
+            State(
+                driver=self.driver,
+                mode=config.mode,
+                health=lambda: self.published().health,
+                claims_per_nic=self.claims_per_nic,
+                publish_failures=lambda: self.publisher.failures,
+                in_sync=self.publisher.in_sync.is_set,
+                superseded=lambda: self.publisher.superseded,
+                registered=lambda: self._unregistered_since is None,
+            ),
+            self.stats,
         )
         self.stop_event = threading.Event()
         self.stop_signal = ""  # set by the signal handler; logged by the loop
@@ -78,6 +99,16 @@ class Driver:
         with self._published_lock:
             return self._published
 
+    def claims_per_nic(self) -> dict[str, int]:
+        """How many prepared claims hold each NIC (a set device counts for each of its NICs)."""
+        refs = self.published().refs
+        out: dict[str, int] = {}
+        for rec in self.claims.prepared().values():
+            nics = {n for d in rec.get("devices", []) if (ref := refs.get(d.get("device"))) for n in ref.nics}
+            for nic in nics:
+                out[nic] = out.get(nic, 0) + 1
+        return out
+
     def _on_published(self, seconds: float) -> None:
         if self.first_published is None:
             self.first_published = time.monotonic() - self.started
@@ -86,6 +117,7 @@ class Driver:
     def _registered(self, ok: bool) -> None:
         self._unregistered_since = None if ok else (self._unregistered_since or time.time())
         if ok:
+            self.instances.registered()
             self.publisher.poke()  # a kubelet (re)start wipes the node's slices: look now
 
     def rebuild(self, force: bool = False) -> bool:
@@ -108,7 +140,9 @@ class Driver:
             )
         except ValueError as exc:
             LOG.error("cannot publish this node's NICs", extra={"error": str(exc)})
+            self.build_error = str(exc)
             return False
+        self.build_error = ""
         with self._published_lock:
             self._published = published
         self.publisher.set_specs(published.specs())
@@ -121,12 +155,52 @@ class Driver:
         interval = self.config.health.interval_seconds
         doc: dict[str, object] = {
             "pid": os.getpid(),
-            "loops": {"probe": {"last": now, "max_age": max(60.0, 20 * interval)}},
+            "loops": {
+                "probe": {"last": now, "max_age": max(60.0, 20 * interval)},
+                # a pass every resync (30 s) or back-off step (30 s at most), failed or not: a
+                # publisher that stopped passing is stuck, a restart may free it
+                "publish": {"last": self.publisher.heartbeat, "max_age": PUBLISH_MAX_AGE_SECONDS},
+            },
             "unregistered_since": {self.driver: self._unregistered_since} if self._unregistered_since else {},
+            "registered": self._unregistered_since is None,
+            "registered_means": "NotifyRegistrationStatus received",
+            "not_ready": self.not_ready(),
         }
         write_health(self.args.health_file, doc)
 
+    def not_ready(self) -> list[str]:
+        """Why this instance does not serve its node yet, besides the kubelet's registration (readiness)."""
+        if self.build_error:
+            return [f"cannot publish this node's NICs: {self.build_error}"]
+        if self.publisher.superseded or self.publisher.in_sync.is_set():
+            return []
+        why = f": {self.publisher.last_error}" if self.publisher.last_error else ""
+        return [f"this node's ResourceSlices (generation {self.publisher.generation}) are not all in the API yet{why}"]
+
+    def _hand_over(self) -> None:
+        """Serve on until a newer instance is registered, for at most ``--handover-seconds``: the
+        mode-label switch deletes this pod as the other DaemonSet's starts, and without an overlap the
+        kubelet fails prepares meanwhile (and wipes the slices after 30 s)."""
+        deadline = time.monotonic() + self.args.handover_seconds
+        if self.args.handover_seconds <= 0 or self.instances.newer_registered():
+            return
+        LOG.info("serving until a newer instance is registered", extra={"seconds": self.args.handover_seconds})
+        while time.monotonic() < deadline:
+            if self.instances.newer_registered():
+                LOG.info("a newer instance is registered: handing over")
+                return
+            time.sleep(0.1)
+        LOG.info("no newer instance registered: stopping", extra={"seconds": self.args.handover_seconds})
+
     def run(self) -> int:
+        if self.args.metrics_address:
+            try:
+                host, port = self.metrics.serve(self.args.metrics_address)
+            except (OSError, ValueError) as exc:
+                LOG.error("cannot serve metrics", extra={"address": self.args.metrics_address, "error": str(exc)})
+                return 2
+            LOG.info("serving Prometheus metrics", extra={"address": f"{host}:{port}"})
+        self.instances.start()  # first: an older instance stops publishing once this one is alive
         self.discovery.full()
         self.rebuild(force=True)
         self.publisher.start()
@@ -151,8 +225,11 @@ class Driver:
         finally:
             if self.stop_signal:
                 LOG.info("signal received, stopping", extra={"signal": self.stop_signal})
+            self._hand_over()
             self.service.stop()
             self.publisher.stop()
+            self.instances.stop()
+            self.metrics.stop()
             self.discovery.close()
             if self.args.health_file:
                 remove_health(self.args.health_file)
@@ -170,7 +247,13 @@ def run(args: argparse.Namespace) -> int:
     except kubeapi.ConfigError as exc:
         LOG.error("%s", exc)
         return 2
-    driver = Driver(args, config, client)
+    try:
+        uid = instance_uid(args.instance_uid)
+        Paths.of(args.kubelet_dir, args.driver_name, uid)
+    except ValueError as exc:
+        LOG.error("%s", exc)
+        return 2
+    driver = Driver(args, config, client, uid)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         # Flags only (as serve's): a log call here could be a reentrant write that loses the stop.

@@ -17,8 +17,8 @@ Generic over a :class:`Backend` so the tests' stub GPU driver serves the same co
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +37,8 @@ from ..api import drahealth_v1_pb2_grpc as health_grpc
 from ..api import pluginregistration_v1_pb2 as reg_pb
 from ..api import pluginregistration_v1_pb2_grpc as reg_grpc
 from .claims import ClaimError, PreparedDevice
+from .kubeletplugin import FileId, Paths, SerializeLock, remove_own, serve_at
+from .metrics import RequestStats
 
 LOG = logging.getLogger(__name__)
 DRA_PLUGIN_TYPE = "DRAPlugin"  # pluginregistration/v1 constants.go
@@ -119,13 +121,31 @@ def _claims(request: Any) -> list[tuple[str, str, str]]:
 class _Prepare:
     """One implementation of NodePrepareResources / NodeUnprepareResources for both API versions."""
 
-    def __init__(self, backend: Backend, pb: Any, with_share_id: bool, timings: list[float] | None) -> None:
+    def __init__(
+        self, backend: Backend, pb: Any, with_share_id: bool, stats: RequestStats | None, lock: SerializeLock | None
+    ) -> None:
         self.backend = backend
         self.pb = pb
         self.with_share_id = with_share_id
-        self.timings = timings
+        self.stats = stats
+        self.lock = lock
+
+    def _record(self, operation: str, t0: float, ok: bool) -> None:
+        if self.stats is not None:
+            self.stats.record(operation, time.perf_counter() - t0, ok)
+
+    def _serialized(self) -> contextlib.AbstractContextManager[None]:
+        return self.lock.held() if self.lock is not None else contextlib.nullcontext()
 
     def NodePrepareResources(self, request: Any, context: Any) -> Any:
+        with self._serialized():
+            return self._prepare(request)
+
+    def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+        with self._serialized():
+            return self._unprepare(request)
+
+    def _prepare(self, request: Any) -> Any:
         out = self.pb.NodePrepareResourcesResponse()
         for namespace, uid, name in _claims(request):
             t0 = time.perf_counter()
@@ -134,13 +154,14 @@ class _Prepare:
             except ClaimError as exc:
                 LOG.error("prepare failed", extra={"claim": f"{namespace}/{name}", "uid": uid, "error": str(exc)})
                 out.claims[uid].error = str(exc)
+                self._record("prepare", t0, False)
                 continue
             except Exception as exc:  # one claim's surprise must not fail the others
                 LOG.exception("prepare failed", extra={"claim": f"{namespace}/{name}", "uid": uid})
                 out.claims[uid].error = f"claim {namespace}/{name}: {type(exc).__name__}: {exc}"
+                self._record("prepare", t0, False)
                 continue
-            if self.timings is not None:
-                self.timings.append(time.perf_counter() - t0)
+            self._record("prepare", t0, True)
             entry = out.claims[uid]
             for d in devices:
                 dev = entry.devices.add(
@@ -150,15 +171,18 @@ class _Prepare:
                     dev.share_id = d.share_id
         return out
 
-    def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+    def _unprepare(self, request: Any) -> Any:
         out = self.pb.NodeUnprepareResourcesResponse()
         for namespace, uid, name in _claims(request):
+            t0 = time.perf_counter()
             try:
                 self.backend.unprepare(namespace, uid, name)
                 out.claims[uid].error = ""
+                self._record("unprepare", t0, True)
             except Exception as exc:
                 LOG.exception("unprepare failed", extra={"claim": f"{namespace}/{name}", "uid": uid})
                 out.claims[uid].error = f"claim {namespace}/{name}: {type(exc).__name__}: {exc}"
+                self._record("unprepare", t0, False)
         return out
 
 
@@ -198,24 +222,11 @@ class _Health(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc]
             )
 
 
-@dataclass(frozen=True)
-class Paths:
-    """Where the sockets live (the kubelet's layout, ``--kubelet-dir``)."""
-
-    registration: str  # <kubelet-dir>/plugins_registry/<driver>-reg.sock
-    endpoint: str  # <kubelet-dir>/plugins/<driver>/dra.sock
-
-    @classmethod
-    def of(cls, kubelet_dir: str, driver: str) -> Paths:
-        return cls(
-            os.path.join(kubelet_dir, "plugins_registry", f"{driver}-reg.sock"),
-            os.path.join(kubelet_dir, "plugins", driver, "dra.sock"),
-        )
-
-
 class KubeletService:
-    """Both servers. Start serves the endpoint first, then the registration socket (what the kubelet
-    watches); stop removes the registration socket first, so the kubelet never dials a dead endpoint."""
+    """Both servers of one instance (:mod:`.kubeletplugin`: its own sockets, the node-wide serialization).
+    Start serves the endpoint first, then the registration socket (what the kubelet watches); stop
+    removes the registration socket first (the kubelet goes on with another instance's registration,
+    if any), lets prepares in flight end, then removes the endpoint; never a socket it did not make."""
 
     def __init__(
         self,
@@ -225,7 +236,7 @@ class KubeletService:
         feed: HealthFeed,
         on_registered: Any = None,
         resend: float = 20.0,
-        timings: list[float] | None = None,
+        stats: RequestStats | None = None,
     ) -> None:
         self.driver = driver
         self.paths = paths
@@ -233,6 +244,7 @@ class KubeletService:
         self.stop_event = threading.Event()
         self.registered = threading.Event()
         self._on_registered = on_registered
+        self._ids: dict[str, FileId] = {}
 
         def registered(ok: bool) -> None:
             if ok:
@@ -240,22 +252,19 @@ class KubeletService:
             if on_registered is not None:
                 on_registered(ok)
 
+        self.lock = SerializeLock(paths.lock)
         self._dra = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dra"))
-        v1_grpc.add_DRAPluginServicer_to_server(_PrepareV1(backend, v1, True, timings), self._dra)
-        v1beta1_grpc.add_DRAPluginServicer_to_server(_PrepareV1beta1(backend, v1beta1, False, None), self._dra)
+        v1_grpc.add_DRAPluginServicer_to_server(_PrepareV1(backend, v1, True, stats, self.lock), self._dra)
+        v1beta1_grpc.add_DRAPluginServicer_to_server(
+            _PrepareV1beta1(backend, v1beta1, False, stats, self.lock), self._dra
+        )
         health_grpc.add_DRAResourceHealthServicer_to_server(_Health(feed, self.stop_event, resend), self._dra)
         self._reg = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="dra-reg"))
         reg_grpc.add_RegistrationServicer_to_server(_Registration(driver, paths.endpoint, registered), self._reg)
 
     def start(self) -> None:
-        for path in (self.paths.endpoint, self.paths.registration):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            if os.path.exists(path):
-                os.unlink(path)  # a previous instance's socket: nobody serves it
-        self._dra.add_insecure_port("unix://" + self.paths.endpoint)
-        self._dra.start()
-        self._reg.add_insecure_port("unix://" + self.paths.registration)
-        self._reg.start()
+        self._ids[self.paths.endpoint] = serve_at(self._dra, self.paths.endpoint)
+        self._ids[self.paths.registration] = serve_at(self._reg, self.paths.registration)
         LOG.info(
             "serving the kubelet",
             extra={"registration": self.paths.registration, "endpoint": self.paths.endpoint, "services": SERVICES},
@@ -264,8 +273,8 @@ class KubeletService:
     def stop(self) -> None:
         self.stop_event.set()
         self.feed.close()
+        remove_own(self.paths.registration, self._ids.get(self.paths.registration))
         self._reg.stop(None).wait()
         self._dra.stop(2).wait()
-        for path in (self.paths.registration, self.paths.endpoint):
-            if os.path.exists(path):
-                os.unlink(path)
+        remove_own(self.paths.endpoint, self._ids.get(self.paths.endpoint))
+        self.lock.close()
