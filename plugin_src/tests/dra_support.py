@@ -245,6 +245,8 @@ class DraNode:
             self.fixture.sysfs,
             "--dev-root",
             self.fixture.dev,
+            "--procfs-root",
+            self.fixture.procfs,
             "--health-file",
             str(self.root / "dra.health"),
             "--log-format",

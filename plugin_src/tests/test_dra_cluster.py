@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -522,3 +523,160 @@ def test_prepare_names_a_nic_that_is_down_or_vanished(api: Api, exclusive: DraNo
         assert not down.devices and not gone.devices
     finally:
         exclusive.fixture.set_port_state("mlx5_bond_2", "ACTIVE")
+
+
+# ------------------------------------------------------------------ the last line of defence
+
+
+def _device(api: Api, node: DraNode, nic: str, view: str) -> str:
+    """The published device of ``nic`` (its RDMA device name) in ``view`` (shared | exclusive)."""
+    devices = slice_devices(complete(api.slices(node.name)) or [])
+    (name,) = [
+        n
+        for n, d in devices.items()
+        if d["attributes"].get("rdmaDevice", {}).get("string") == nic and attr(d, "sharing") == view
+    ]
+    return name
+
+
+def _write_allocation(api: Api, name: str, node: DraNode, *devices: str, pod_name: str = "") -> dict[str, Any]:
+    """Allocate claim ``name`` as an admin would: ``devices`` written to its status directly, no
+    scheduler (and none of its counters) involved; reserved for pod ``pod_name`` when given. A device
+    of a shared view gets a share."""
+    published = slice_devices(complete(api.slices(node.name)) or [])
+    results = []
+    for d in devices:
+        r: dict[str, Any] = {"request": "nic", "driver": DRIVER, "pool": node.name, "device": d}
+        if published[d].get("allowMultipleAllocations"):
+            r["shareID"] = str(uuid.uuid4())
+        results.append(r)
+    obj = api.claim(name)
+    on_node = [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node.name]}]}]
+    obj["status"] = {
+        "allocation": {"devices": {"results": results}, "nodeSelector": {"nodeSelectorTerms": on_node}}
+        if devices
+        else None
+    }
+    if pod_name:
+        uid = (api.pod(pod_name) or {})["metadata"]["uid"]
+        obj["status"]["reservedFor"] = [{"resource": "pods", "name": pod_name, "uid": uid}]
+    return api.client.update(f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{name}/status", obj)
+
+
+def _boot_id(node: DraNode) -> str:
+    return Path(node.fixture.procfs, "sys/kernel/random/boot_id").read_text().strip()
+
+
+def _events(api: Api, pod_name: str, reason: str) -> list[str]:
+    found = api.get(
+        "/api/v1/namespaces/default/events", fieldSelector=f"involvedObject.name={pod_name},reason={reason}"
+    )
+    return [str(e.get("message", "")) for e in found["items"]]
+
+
+def test_prepare_refuses_a_nic_prepared_for_another_claim_in_a_conflicting_view(
+    api: Api, exclusive: DraNode, objs: Objects
+) -> None:
+    """Allocations written around the scheduler (claims' status and pods' nodeName, as an admin
+    would): mlx5_bond_1 exclusive to one claim and shared with another. The kubelet prepares the
+    first; the second is refused naming both claims, and prepared once the first is gone."""
+    whole, share = _device(api, exclusive, "mlx5_bond_1", "exclusive"), _device(api, exclusive, "mlx5_bond_1", "shared")
+    for name, device in (("adm-x", whole), ("adm-s", share)):
+        objs.claim(name, request("nic", NIC if device == share else EXCLUSIVE, nic_is("mlx5_bond_1")))
+        obj = pod(name, exclusive.name, (name,), grace=0)
+        obj["spec"]["nodeName"] = exclusive.name  # no scheduler: the pod is bound as written
+        api.create(obj)
+        objs.pods.append(obj)
+        _write_allocation(api, name, exclusive, device, pod_name=name)
+        if name == "adm-x":
+            wait_for("the exclusive claim's pod running", lambda: running(api, "adm-x"))
+    refused = lambda: [m for m in _events(api, "adm-s", "FailedPrepareDynamicResources") if "already prepared" in m]  # noqa: E731
+    message = wait_for("the share refused", refused)[0]  # (before its reservation: "not allowed to use")
+    x_uid = api.claim("adm-x")["metadata"]["uid"]
+    assert "claim default/adm-s: NIC mlx5_bond_1 (0000:3a:00.0) is already prepared for claim default/adm-x" in message
+    assert f"(UID {x_uid}) as its exclusive device {whole}; this claim's shared device {share} cannot" in message
+    assert not running(api, "adm-s")
+    s_uid = api.claim("adm-s")["metadata"]["uid"]
+    assert not (exclusive.cdi_dir / f"{DRIVER}-claim_{s_uid}.json").exists()
+    # Refused for the conflict alone: the exclusive holder gone (unprepared), the share is prepared.
+    objs.delete_pod("adm-x")
+    wait_for("the share's pod running once the NIC is free", lambda: running(api, "adm-s"), timeout=180)
+    assert exclusive.got("adm-s")[0]["RDMA_DEVICES"] == "mlx5_bond_1"
+
+
+def test_a_cached_answer_only_for_the_same_allocation(api: Api, exclusive: DraNode, objs: Objects) -> None:
+    """Deallocated and allocated again under the same UID: prepare answers the new allocation."""
+    objs.claim("realloc", request("nic", EXCLUSIVE))
+    first, second = (_device(api, exclusive, nic, "exclusive") for nic in ("mlx5_bond_0", "mlx5_bond_1"))
+    _write_allocation(api, "realloc", exclusive, first)
+    uid = api.claim("realloc")["metadata"]["uid"]
+    cdi = exclusive.cdi_dir / f"{DRIVER}-claim_{uid}.json"
+    try:
+        assert [d.device_name for d in _prepare(exclusive, uid, "realloc").devices] == [first]
+        assert [d.device_name for d in _prepare(exclusive, uid, "realloc").devices] == [first]  # cached
+        _write_allocation(api, "realloc", exclusive)
+        _write_allocation(api, "realloc", exclusive, second)
+        assert [d.device_name for d in _prepare(exclusive, uid, "realloc").devices] == [second]
+        assert "RDMA_DEVICES=mlx5_bond_1" in json.loads(cdi.read_text())["containerEdits"]["env"]
+    finally:
+        _unprepare(exclusive, uid, "realloc")
+
+
+def test_claim_uid_and_name_never_reach_beyond_their_file_and_url(api: Api, exclusive: DraNode, objs: Objects) -> None:
+    """Issue 39 item 5: a ``../`` UID names no file (the call fails, the target stays), and a name
+    with ``?`` names no other claim (escaped in the URL, not cut there)."""
+    victim = exclusive.kubelet_dir / "victim.json"  # <state-dir>/claims/../../../victim.json
+    victim.write_text("{}")
+    for uid in ("../../../victim", "../../../../var/lib/kubelet/victim"):
+        answer = _unprepare(exclusive, uid, "x")
+        assert f"claim UID {uid!r} is not a Kubernetes UID" in answer.error
+        assert "is not a Kubernetes UID" in _prepare(exclusive, uid, "x").error
+    assert victim.read_text() == "{}"
+
+    objs.claim("plain", request("nic", EXCLUSIVE))
+    _write_allocation(api, "plain", exclusive, _device(api, exclusive, "mlx5_bond_0", "exclusive"))
+    uid = api.claim("plain")["metadata"]["uid"]
+    answer = _prepare(exclusive, uid, "plain?pretty=1")  # unescaped, this would read claim "plain"
+    assert "claim default/plain?pretty=1: reading it from the API server failed (404" in answer.error
+    assert not answer.devices and not (exclusive.cdi_dir / f"{DRIVER}-claim_{uid}.json").exists()
+
+
+def test_records_survive_a_restart_are_dropped_by_a_reboot_and_orphans_are_collected(
+    api: Api, exclusive: DraNode, objs: Objects
+) -> None:
+    objs.claim("kept", request("nic", EXCLUSIVE))
+    _write_allocation(api, "kept", exclusive, _device(api, exclusive, "mlx5_bond_0", "exclusive"))
+    objs.claim("deleted", request("nic", EXCLUSIVE))
+    _write_allocation(api, "deleted", exclusive, _device(api, exclusive, "mlx5_bond_1", "exclusive"))
+    kept, deleted = api.claim("kept")["metadata"]["uid"], api.claim("deleted")["metadata"]["uid"]
+    records = exclusive.state_dir / "claims"
+    try:
+        assert not _prepare(exclusive, kept, "kept").error and not _prepare(exclusive, deleted, "deleted").error
+        exclusive.stop_driver()
+        api.delete(claim("deleted", []))  # gone while the driver was down: the kubelet never unprepares it
+        stray = exclusive.cdi_dir / f"{DRIVER}-claim_{uuid.uuid4()}.json"  # a spec without a record
+        stray.write_text("{}")
+        mtime = (exclusive.cdi_dir / f"{DRIVER}-claim_{kept}.json").stat().st_mtime_ns
+        exclusive.start_driver()
+        wait_for(
+            "the deleted claim's record and spec and the stray spec collected",
+            lambda: (
+                not (records / f"{deleted}.json").exists()
+                and not (exclusive.cdi_dir / f"{DRIVER}-claim_{deleted}.json").exists()
+                and not stray.exists()
+            ),
+        )
+        # The restart kept the live claim's record: the answer comes without writing the spec.
+        assert (records / f"{kept}.json").exists()
+        answer = wait_for("prepare after the restart", lambda: _retry_prepare(exclusive, kept, "kept"))
+        assert not answer.error
+        assert (exclusive.cdi_dir / f"{DRIVER}-claim_{kept}.json").stat().st_mtime_ns == mtime
+        # A reboot (a new boot ID): nothing prepared before it holds.
+        exclusive.stop_driver()
+        exclusive.fixture.reboot()
+        exclusive.start_driver()
+        wait_for("the driver serving again", lambda: _retry_prepare(exclusive, kept, "kept") is not None)
+        assert json.loads((records / f"{kept}.json").read_text())["boot"] == _boot_id(exclusive)
+        assert (exclusive.cdi_dir / f"{DRIVER}-claim_{kept}.json").stat().st_mtime_ns != mtime
+    finally:
+        _unprepare(exclusive, kept, "kept")

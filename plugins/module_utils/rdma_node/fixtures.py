@@ -36,6 +36,7 @@ import ipaddress
 import json
 import os
 import shutil
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -903,9 +904,16 @@ class FixtureNode:
         self._write(os.path.join(base, "online"), nodes)
         self._write(os.path.join(base, "possible"), nodes)
 
+    def reboot(self) -> str:
+        """A new boot ID (``/proc/sys/kernel/random/boot_id``), as after a reboot; returns it."""
+        boot_id = str(uuid.uuid4())
+        self._write(os.path.join(self.procfs, "sys", "kernel", "random", "boot_id"), boot_id)
+        return boot_id
+
     def _write_host(self, spec: NodeSpec) -> None:
-        """Kernel release, NVIDIA driver and peer-memory modules, and the container runtime."""
+        """Kernel release and boot ID, NVIDIA driver and peer-memory modules, and the container runtime."""
         self._write(os.path.join(self.procfs, "sys", "kernel", "osrelease"), spec.kernel_release)
+        self.reboot()
         if spec.nvidia_driver:
             self._write(os.path.join(self.sysfs, "module", "nvidia", "version"), spec.nvidia_driver)
             flavour = (

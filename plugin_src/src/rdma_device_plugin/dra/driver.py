@@ -28,13 +28,14 @@ from ..discovery import Discovery
 from ..resources import ResourcePool
 from ..supervision import remove_health, write_health
 from . import kubeapi, model
-from .claims import Claims
+from .claims import Claims, read_boot_id
 from .inventory import Inventory
 from .publisher import Publisher
 from .service import DeviceHealth, HealthFeed, KubeletService, Paths
 
 LOG = logging.getLogger("rdma_device_plugin.dra")
 RELIST_CHECK_SECONDS = 1.0
+COLLECT_SECONDS = 300.0  # orphaned prepared claims (the first pass right after the start)
 
 
 def pool_config(config: PluginConfig) -> PluginConfig:
@@ -65,7 +66,10 @@ class Driver:
         self.first_published: float | None = None  # seconds from start to the first slices in the API
         self.publisher = Publisher(client, self.driver, self.node, on_published=self._on_published)
         state_dir = args.state_dir or os.path.join(args.kubelet_dir, "plugins", self.driver)
-        self.claims = Claims(client, self.driver, self.node, state_dir, args.cdi_dir, self.published, self.pools)
+        boot_id = read_boot_id(args.procfs_root)
+        self.claims = Claims(
+            client, self.driver, self.node, state_dir, args.cdi_dir, self.published, self.pools, boot_id
+        )
         self.timings: list[float] = []
         self.service = KubeletService(
             self.driver, Paths.of(args.kubelet_dir, self.driver), self.claims, self.feed, self._registered
@@ -115,6 +119,12 @@ class Driver:
         self.feed.update([DeviceHealth(self.node, d, ok, why) for d, (ok, why) in published.health.items()])
         return True
 
+    def _collect(self) -> None:
+        try:
+            self.claims.collect()
+        except Exception:
+            LOG.exception("collecting orphaned claims failed; tried again later")
+
     def _write_health(self, now: float) -> None:
         if not self.args.health_file:
             return
@@ -133,6 +143,8 @@ class Driver:
         self.service.start()
         interval = self.config.health.interval_seconds
         last_check = last_health = 0.0
+        last_collect = -COLLECT_SECONDS
+        collecting = threading.Thread()
         try:
             while not self.stop_event.wait(interval):
                 now = time.monotonic()
@@ -143,6 +155,10 @@ class Driver:
                         last_check = now
                         self.discovery.check_devices()
                     self.rebuild()
+                    if now - last_collect >= COLLECT_SECONDS and not collecting.is_alive():
+                        last_collect = now  # a GET per prepared claim: off this loop
+                        collecting = threading.Thread(target=self._collect, name="collect", daemon=True)
+                        collecting.start()
                 except Exception:
                     LOG.exception("probe failed; the loop goes on")
                 if now - last_health >= 1.0:
