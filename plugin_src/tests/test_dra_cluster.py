@@ -16,6 +16,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,9 @@ from gpu_dra_stub import GpuDraStub
 
 from rdma_device_plugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from rdma_device_plugin.config import load_config_data
+from rdma_device_plugin.dra.model import PCI_BUS_ID, PCIE_ROOT
 from rdma_device_plugin.resources import ResourcePool
+from rdma_node import fixtures
 
 # Each test waits for the real scheduler and kubelet with its own generous deadlines; the module's
 # cluster and nodes start in the first test's setup.
@@ -53,6 +56,9 @@ NIC = f"nic.{DRIVER}"
 EXCLUSIVE = f"nic-exclusive.{DRIVER}"
 TEST_LABEL = "rdma.lingjun.io/dra-test"
 NICS = ["mlx5_bond_0", "mlx5_bond_1", "mlx5_bond_2", "mlx5_bond_3"]
+# Device names follow the PCI function (the fixture's 0000:1a:00.0, 0000:3a:00.0, ...), not mlx5_bond_N.
+DEV = {n: f"0000-{0x1A + 0x20 * i:02x}-00-0" for i, n in enumerate(NICS)}
+X = {n: d + "-x" for n, d in DEV.items()}  # the exclusive views
 
 
 @pytest.fixture(scope="module")
@@ -194,9 +200,9 @@ def attr(device: dict[str, Any], name: str) -> Any:
 def test_slices_published_and_republished_after_a_kubelet_restart(api: Api, shared: DraNode, objs: Objects) -> None:
     before = wait_for("slices", lambda: complete(api.slices(shared.name)))
     devices = slice_devices(before)
-    nics = [n.replace("_", "-") for n in NICS]
+    nics = [DEV[n] for n in NICS]
     assert set(devices) == {*nics, *(f"{n}-x" for n in nics), "all-hca"}
-    d = devices["mlx5-bond-2"]
+    d = devices[DEV["mlx5_bond_2"]]
     # What the fixture node's sysfs says about mlx5_bond_2: its PCI function, host bridge, NUMA node,
     # the two GPUs under its switch, its bond and the IPv6 RoCE v2 GID of its compute address.
     assert attr(d, "resource.kubernetes.io/pciBusID") == "0000:5a:00.0"
@@ -206,7 +212,7 @@ def test_slices_published_and_republished_after_a_kubelet_restart(api: Api, shar
     assert (attr(d, "rdmaDevice"), attr(d, "netdev"), attr(d, "linkLayer")) == ("mlx5_bond_2", "bond2", "Ethernet")
     assert attr(d, "gid") == "2408:4005:0300:0002:0000:0000:0000:0011" and attr(d, "gidIndex") == 3
     assert d["allowMultipleAllocations"] and d["capacity"]["slots"]["value"] == "1k"
-    assert "allowMultipleAllocations" not in devices["mlx5-bond-2-x"]
+    assert "allowMultipleAllocations" not in devices[X["mlx5_bond_2"]]
     assert attr(devices["all-hca"], "extendedResource") == "rdma/hca"
 
     uids = {s["metadata"]["uid"] for s in before}
@@ -247,7 +253,7 @@ def test_1000_shared_claims_on_one_nic_then_the_1001st_is_refused(api: Api, shar
     for p in range(pods):
         for i in range(per_pod):
             result = api.claim(f"s{p}-{i}")["status"]["allocation"]["devices"]["results"]
-            assert [r["device"] for r in result] == ["mlx5-bond-3"]
+            assert [r["device"] for r in result] == [DEV["mlx5_bond_3"]]
             consumed += int(result[0]["consumedCapacity"]["slots"])
     assert consumed == 1000
     assert len(shared.node.record("default", "share-7")["containers"]["c"]["cdi_devices"]) == per_pod  # type: ignore[index]
@@ -260,14 +266,14 @@ def test_1000_shared_claims_on_one_nic_then_the_1001st_is_refused(api: Api, shar
     # Refused for capacity alone: 50 shares freed, it gets its share.
     objs.delete_pod("share-0")
     wait_for("the 1001st claim allocated once shares were freed", lambda: running(api, "share-1001"), timeout=180)
-    assert allocated_devices(api, "s-1001") == ["mlx5-bond-3"]
+    assert allocated_devices(api, "s-1001") == [DEV["mlx5_bond_3"]]
 
 
 def test_an_exclusive_claim_never_shares_its_nic(api: Api, shared: DraNode, objs: Objects) -> None:
     objs.claim("x0", request("nic", EXCLUSIVE, nic_is("mlx5_bond_0")))
     objs.pod("x0", shared, ("x0",))
     wait_for("the exclusive claim's pod running", lambda: running(api, "x0"))
-    assert allocated_devices(api, "x0") == ["mlx5-bond-0-x"]
+    assert allocated_devices(api, "x0") == [X["mlx5_bond_0"]]
     # While it holds mlx5_bond_0: no share of it, and no rdma/hca pod (whose set holds every NIC).
     objs.claim("s0", request("nic", NIC, nic_is("mlx5_bond_0")))
     objs.pod("s0", shared, ("s0",))
@@ -286,7 +292,7 @@ def test_an_exclusive_claim_never_shares_its_nic(api: Api, shared: DraNode, objs
     objs.api.delete(claim("x0", []))
     wait_for("the share running", lambda: running(api, "s0"), timeout=180)
     wait_for("the rdma/hca pod running", lambda: running(api, "hca"), timeout=180)
-    assert allocated_devices(api, "s0") == ["mlx5-bond-0"]
+    assert allocated_devices(api, "s0") == [DEV["mlx5_bond_0"]]
     assert unschedulable(api, "x1")
 
 
@@ -329,7 +335,7 @@ def test_rdma_hca_pod_in_exclusive_mode_gets_one_nic(api: Api, exclusive: DraNod
     assert not set(got1) & set(got2)  # whole NICs: never the same one twice
     env, nodes = exclusive.got("hca-excl")
     nic = env["RDMA_DEVICES"]
-    assert nic in NICS and got1 == [nic.replace("_", "-") + "-x"]
+    assert nic in NICS and got1 == [X[nic]]
     assert env == _device_plugin_env(exclusive, "exclusive", [nic])
     assert len([n for n in nodes if "uverbs" in n]) == 1
     assert len(exclusive.got("hca-excl-2")[0]["RDMA_DEVICES"].split(",")) == 2
@@ -363,9 +369,9 @@ def test_a_nic_aligned_with_a_gpu_by_pcie_root(api: Api, shared: DraNode, gpus: 
     results = api.claim("aligned")["status"]["allocation"]["devices"]["results"]
     assert {r["request"]: (r["driver"], r["device"]) for r in results} == {
         "gpu": (GPU_DRIVER, "gpu-4"),
-        "nic": (DRIVER, "mlx5-bond-2"),
+        "nic": (DRIVER, DEV["mlx5_bond_2"]),
     }
-    assert allocated_devices(api, "unaligned") == ["mlx5-bond-0"]
+    assert allocated_devices(api, "unaligned") == [DEV["mlx5_bond_0"]]
     assert shared.got("aligned")[0]["RDMA_DEVICES"] == "mlx5_bond_2"
     assert [d.device for d in gpus.backend.prepared[api.claim("aligned")["metadata"]["uid"]]] == ["gpu-4"]
 
@@ -381,9 +387,9 @@ def test_nics_asked_by_numa_node_and_rate(api: Api, shared: DraNode, gpus: GpuDr
     objs.pod("numa1", shared, ("numa1",))
     objs.pod("numa-gpu", shared, ("numa-gpu",))
     wait_for("both pods running", lambda: running(api, "numa1") and running(api, "numa-gpu"))
-    assert allocated_devices(api, "numa1")[0] in ("mlx5-bond-2", "mlx5-bond-3")
+    assert allocated_devices(api, "numa1")[0] in (DEV["mlx5_bond_2"], DEV["mlx5_bond_3"])
     nic = [r for r in api.claim("numa-gpu")["status"]["allocation"]["devices"]["results"] if r["request"] == "nic"]
-    assert nic[0]["device"] in ("mlx5-bond-0-x", "mlx5-bond-1-x")
+    assert nic[0]["device"] in (X["mlx5_bond_0"], X["mlx5_bond_1"])
     slow = f'device.attributes["{DRIVER}"].rateGbps >= 400'
     objs.claim("too-slow", request("nic", NIC, slow))
     objs.pod("too-slow", shared, ("too-slow",))
@@ -404,10 +410,10 @@ def test_a_nic_going_down_stops_new_allocations(api: Api, shared: DraNode, objs:
     wait_for("the holder running", lambda: running(api, "holder"))
     shared.fixture.set_port_state("mlx5_bond_1", "DOWN")
     try:
-        taints = wait_for("mlx5_bond_1 tainted", lambda: (t := _taints(api, shared))["mlx5-bond-1"] and t)
-        assert taints["mlx5-bond-1"] == taints["mlx5-bond-1-x"] == ["port-down"]
+        taints = wait_for("mlx5_bond_1 tainted", lambda: (t := _taints(api, shared))[DEV["mlx5_bond_1"]] and t)
+        assert taints[DEV["mlx5_bond_1"]] == taints[X["mlx5_bond_1"]] == ["port-down"]
         assert taints["all-hca"] == ["port-down"]  # health.policy all: the set is unhealthy with one NIC down
-        assert taints["mlx5-bond-0"] == []
+        assert taints[DEV["mlx5_bond_0"]] == []
         objs.claim("late", request("nic", NIC, nic_is("mlx5_bond_1")))
         objs.pod("late", shared, ("late",))
         objs.claim("other", request("nic", NIC, nic_is("mlx5_bond_0")))
@@ -514,12 +520,12 @@ def test_prepare_names_a_nic_that_is_down_or_vanished(api: Api, exclusive: DraNo
     exclusive.fixture.set_port_state("mlx5_bond_2", "DOWN")
     exclusive.fixture.remove_nic("mlx5_bond_3")
     try:
-        wait_for("both NICs tainted", lambda: (t := _taints(api, exclusive))["mlx5-bond-2-x"] and t["mlx5-bond-3-x"])
-        assert _taints(api, exclusive)["mlx5-bond-3-x"] == ["gone"]
+        wait_for("both NICs tainted", lambda: (t := _taints(api, exclusive))[X["mlx5_bond_2"]] and t[X["mlx5_bond_3"]])
+        assert _taints(api, exclusive)[X["mlx5_bond_3"]] == ["gone"]
         down = _prepare(exclusive, down_uid, "down")
         gone = _prepare(exclusive, gone_uid, "gone")
-        assert "NIC mlx5_bond_2 (device mlx5-bond-2-x) is not usable: port 1 DOWN (not ACTIVE)" in down.error
-        assert "NIC mlx5_bond_3 (device mlx5-bond-3-x) is not usable: NIC gone from sysfs" in gone.error
+        assert f"NIC mlx5_bond_2 (device {X['mlx5_bond_2']}) is not usable: port 1 DOWN (not ACTIVE)" in down.error
+        assert f"NIC mlx5_bond_3 (device {X['mlx5_bond_3']}) is not usable: NIC gone from sysfs" in gone.error
         assert not down.devices and not gone.devices
     finally:
         exclusive.fixture.set_port_state("mlx5_bond_2", "ACTIVE")
@@ -680,3 +686,59 @@ def test_records_survive_a_restart_are_dropped_by_a_reboot_and_orphans_are_colle
         assert (exclusive.cdi_dir / f"{DRIVER}-claim_{kept}.json").stat().st_mtime_ns != mtime
     finally:
         _unprepare(exclusive, kept, "kept")
+
+
+# ------------------------------------------------------------------ names that survive a reboot
+
+
+def _reboot_with(node: DraNode, spec: fixtures.NodeSpec) -> None:
+    """The node reboots into ``spec`` (a new boot ID): the driver stopped, the fixture rewritten."""
+    node.stop_driver()
+    node.fixture = fixtures.write_node(str(node.root / "fx"), spec)
+    node.start_driver()
+
+
+def test_device_names_and_alignment_do_not_move_when_the_kernel_renames_nics(
+    api: Api, exclusive: DraNode, objs: Objects
+) -> None:
+    """A reboot gives mlx5_bond_0 and mlx5_bond_2 each other's names (probe order). The claim keeps
+    its device, the device keeps its PCI function and pcieRoot, and prepare hands out that function."""
+    objs.claim("stable", request("nic", EXCLUSIVE, nic_is("mlx5_bond_0")))
+    objs.pod("stable", exclusive, ("stable",), grace=0)
+    wait_for("the pod running", lambda: running(api, "stable"))
+    (device,) = allocated_devices(api, "stable")
+    uid = api.claim("stable")["metadata"]["uid"]
+    before = slice_devices(complete(api.slices(exclusive.name)) or [])
+    where = (attr(before[device], PCI_BUS_ID), attr(before[device], PCIE_ROOT))
+    assert device == X["mlx5_bond_0"] and where == ("0000:1a:00.0", "pci0000:15")
+    _, nodes_before = exclusive.got("stable")
+    swap = {"mlx5_bond_0": "mlx5_bond_2", "mlx5_bond_2": "mlx5_bond_0"}
+    spec = fixtures.lingjun_node(nics=4)
+    renamed = replace(spec, nics=tuple(replace(n, name=swap.get(n.name, n.name)) for n in spec.nics))
+    try:
+        _reboot_with(exclusive, renamed)
+
+        def republished() -> dict[str, dict[str, Any]] | None:
+            now = slice_devices(complete(api.slices(exclusive.name)) or [])
+            return now if now and attr(now[device], "rdmaDevice") == "mlx5_bond_2" else None
+
+        after = wait_for("the slices of the renamed NICs", republished)
+        assert set(after) == set(before)
+        assert (attr(after[device], PCI_BUS_ID), attr(after[device], PCIE_ROOT)) == where
+        assert {n: attr(d, PCI_BUS_ID) for n, d in after.items() if PCI_BUS_ID in d["attributes"]} == {
+            n: attr(d, PCI_BUS_ID) for n, d in before.items() if PCI_BUS_ID in d["attributes"]
+        }
+        assert allocated_devices(api, "stable") == [device]
+        # The kubelet prepares the claim again after a reboot: the same PCI function, by its new name.
+        answer = wait_for("prepare after the reboot", lambda: _retry_prepare(exclusive, uid, "stable"))
+        assert not answer.error and [d.device_name for d in answer.devices] == [device]
+        env, nodes = exclusive.got("stable")
+        assert env["RDMA_DEVICES"] == "mlx5_bond_2" and sorted(nodes) == sorted(nodes_before)
+    finally:
+        _reboot_with(exclusive, spec)
+        wait_for(
+            "the slices of the original names",
+            lambda: (
+                attr(slice_devices(complete(api.slices(exclusive.name)) or [])[device], "rdmaDevice") == "mlx5_bond_0"
+            ),
+        )

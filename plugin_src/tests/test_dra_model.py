@@ -5,6 +5,7 @@ test_dra_cluster.py."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -27,14 +28,59 @@ def views(tmp_path: object, nics: int = 4, down: tuple[str, ...] = ()) -> list[m
 
 
 def test_device_names_are_dns_labels_unique_and_stable() -> None:
-    names = model.device_names(["mlx5_bond_0", "MLX5-bond-0", "mlx5_0", "roce\\xff0", "\\xfe", "a-x", "a"])
-    assert names["mlx5_bond_0"] == "mlx5-bond-0" and names["mlx5_0"] == "mlx5-0"
+    keys = {n: n for n in ["mlx5_bond_0", "MLX5-bond-0", "mlx5_0", "roce\\xff0", "\\xfe", "a-x", "a"]}
+    keys["mlx5_9"] = "0000:5a:00.0"
+    names = model.device_names(keys)
+    assert names["mlx5_bond_0"] == "mlx5-bond-0" and names["mlx5_0"] == "mlx5-0" and names["mlx5_9"] == "0000-5a-00-0"
     assert all(DNS_LABEL.fullmatch(n) for n in names.values())
     labels = list(names.values())
     # Unique, also against every NIC's exclusive view (<name>-x): "a-x" must not be "a"'s exclusive view.
     assert len(set(labels) | {n + model.EXCLUSIVE_SUFFIX for n in labels}) == 2 * len(labels)
-    assert model.device_names(["MLX5-bond-0", "mlx5_bond_0"]) == {k: names[k] for k in ("MLX5-bond-0", "mlx5_bond_0")}
-    assert model.device_names(["all_hca"], reserved=["all-hca"])["all_hca"] != "all-hca"
+    two = {"MLX5-bond-0": "MLX5-bond-0", "mlx5_bond_0": "mlx5_bond_0"}
+    assert model.device_names(two) == {k: names[k] for k in two}
+    assert model.device_names({"all_hca": "all_hca"}, reserved=["all-hca"])["all_hca"] != "all-hca"
+
+
+def test_device_names_follow_the_pci_function_not_the_kernel_name(tmp_path: object) -> None:
+    """A reboot that gives mlx5_bond_0 and mlx5_bond_2 each other's names (probe order): every device
+    name still stands for the same PCI function, with the same pcieRoot, and the slices are the same
+    but for the rdmaDevice (and netdev) attributes."""
+    r = [model.ResourceView("rdma/hca", 10, "all")]
+    before = model.build("d.example.com", "n", "shared", r, views(tmp_path), {})
+    renamed = {"mlx5_bond_0": "mlx5_bond_2", "mlx5_bond_2": "mlx5_bond_0"}
+    after_views = [
+        model.NicView(replace(v.nic, name=renamed.get(v.nic.name, v.nic.name)), v.health, v.resource, v.pcie_root)
+        for v in views(tmp_path)
+    ]
+    after = model.build("d.example.com", "n", "shared", r, after_views, {})
+
+    def by_device(pub: model.Published) -> dict[str, tuple[str, str, str]]:
+        return {
+            d["name"]: (
+                d["attributes"][model.PCI_BUS_ID]["string"],
+                d["attributes"][model.PCIE_ROOT]["string"],
+                d["attributes"]["rdmaDevice"]["string"],
+            )
+            for d in pub.devices["devices"]
+            if model.PCI_BUS_ID in d["attributes"]
+        }
+
+    b, a = by_device(before), by_device(after)
+    assert b["0000-1a-00-0"][:2] == a["0000-1a-00-0"][:2] == ("0000:1a:00.0", "pci0000:00")
+    assert (b["0000-1a-00-0"][2], a["0000-1a-00-0"][2]) == ("mlx5_bond_0", "mlx5_bond_2")
+    assert {k: v[:2] for k, v in b.items()} == {k: v[:2] for k, v in a.items()}
+    assert after.refs["0000-1a-00-0-x"].nics == ("mlx5_bond_2",)  # prepare hands out the NIC by its new name
+    assert [d["name"] for d in before.devices["devices"]] == [d["name"] for d in after.devices["devices"]]
+    assert before.counters == after.counters
+
+
+def test_the_set_device_name_stays_a_dns_label() -> None:
+    long = "example.com/" + "r" * 61  # a 61-character resource name: "all-" + 61 is 65 characters
+    name = model.set_device_name(long)
+    assert DNS_LABEL.fullmatch(name) and len(name) == 63 and name.startswith("all-rrrr")
+    assert model.set_device_name(long) == name  # stable
+    assert model.set_device_name("b.example.com/hca", taken=["all-hca"]) not in ("all-hca", name)
+    assert model.set_device_name("rdma/hca") == "all-hca"
 
 
 @pytest.mark.parametrize(
@@ -65,15 +111,15 @@ def test_counters_keep_the_views_of_a_nic_apart(tmp_path: object) -> None:
     assert pub.counters is not None
     counters = pub.counters["sharedCounters"][0]["counters"]
     devices = {d["name"]: d for d in pub.devices["devices"]}
-    assert counters == {f"mlx5-bond-{i}": {"value": "2"} for i in range(4)}  # its shared view + the set
-    for i in range(4):
-        nic = f"mlx5-bond-{i}"
+    nics = [f"0000-{0x1A + 0x20 * i:02x}-00-0" for i in range(4)]  # the PCI functions of mlx5_bond_0..3
+    assert counters == {nic: {"value": "2"} for nic in nics}  # its shared view + the set
+    for nic in nics:
         (shared,) = devices[nic]["consumesCounters"]
         (excl,) = devices[nic + "-x"]["consumesCounters"]
         assert shared["counters"] == {nic: {"value": "1"}} and devices[nic]["allowMultipleAllocations"]
         assert excl["counters"] == {nic: {"value": "2"}} and "allowMultipleAllocations" not in devices[nic + "-x"]
     (whole,) = devices["all-hca"]["consumesCounters"]
-    assert whole["counters"] == {f"mlx5-bond-{i}": {"value": "1"} for i in range(4)}
+    assert whole["counters"] == {nic: {"value": "1"} for nic in nics}
     assert pub.devices["pool"] == pub.counters["pool"] == {"name": "node-a", "generation": 1, "resourceSliceCount": 2}
     assert pub.refs["all-hca"].nics == tuple(f"mlx5_bond_{i}" for i in range(4))
 
@@ -82,7 +128,7 @@ def test_counters_keep_the_views_of_a_nic_apart(tmp_path: object) -> None:
 def test_the_mode_decides_which_view_serves_the_extended_resource(tmp_path: object, mode: str) -> None:
     pub = model.build("d.example.com", "n", mode, [model.ResourceView("rdma/hca", 10, "all")], views(tmp_path), {})
     serving = sorted(d["name"] for d in pub.devices["devices"] if "extendedResource" in d["attributes"])
-    expected = ["all-hca"] if mode == "shared" else [f"mlx5-bond-{i}-x" for i in range(4)]
+    expected = ["all-hca"] if mode == "shared" else [f"0000-{0x1A + 0x20 * i:02x}-00-0-x" for i in range(4)]
     assert serving == expected
 
 
@@ -98,16 +144,16 @@ def test_a_nic_down_taints_its_views_and_the_set_by_policy(tmp_path: object) -> 
             "effect": "NoSchedule",
             "timeAdded": since["mlx5_bond_1"],
         }
-        assert taints["mlx5-bond-1"] == taints["mlx5-bond-1-x"] == [bad]
-        assert taints["mlx5-bond-0"] == []
+        assert taints["0000-3a-00-0"] == taints["0000-3a-00-0-x"] == [bad]  # mlx5_bond_1
+        assert taints["0000-1a-00-0"] == []
         assert bool(taints["all-hca"]) is set_tainted
-        assert pub.health["mlx5-bond-1"] == (False, "port 1 DOWN (not ACTIVE)")
+        assert pub.health["0000-3a-00-0"] == (False, "port 1 DOWN (not ACTIVE)")
 
 
 def test_too_many_nics_is_a_clear_error_and_no_nic_publishes_an_empty_pool(tmp_path: object) -> None:
     many = views(tmp_path, nics=4) * 9  # 36 views
     many = [
-        model.NicView(v.nic.__class__(**{**v.nic.__dict__, "name": f"n{i}"}), v.health, v.resource)
+        model.NicView(replace(v.nic, name=f"n{i}", pci_address=f"0000:{i:02x}:00.0"), v.health, v.resource)
         for i, v in enumerate(many)
     ]
     with pytest.raises(ValueError, match="at most 32"):

@@ -1,8 +1,10 @@
 """The device model: what a node's NICs look like as ``resource.k8s.io/v1`` ResourceSlices (pure logic).
 
 One pool per node (named after the node), two slices (the API takes ``sharedCounters`` and
-``devices`` only in separate slices of one pool). For every selected NIC ``<n>`` (its RDMA device
-name made a DNS label: ``mlx5_bond_0`` -> ``mlx5-bond-0``):
+``devices`` only in separate slices of one pool). For every selected NIC ``<n>`` (its PCI address
+made a DNS label, ``0000:1a:00.0`` -> ``0000-1a-00-0``, as the device plugin keys exclusive devices:
+the kernel's probe order can give ``mlx5_N`` to another NIC after a reboot or a firmware change, the
+PCI function stays; a NIC without one is keyed by its node GUID, else its RDMA device name):
 
 - ``<n>``: the NIC **shared** (``allowMultipleAllocations``): capacity ``slots`` (the resource's
   ``sharedDevices``, each claim takes 1 unless it asks more) and ``bandwidth`` (the port rate in
@@ -57,6 +59,7 @@ COUNTERS_SLICE, DEVICES_SLICE = "counters", "devices"
 MAX_NICS = 32  # counters in one counter set (ResourceSliceMaxCountersPerCounterSet)
 MAX_DEVICES = 64  # devices in a slice that uses counters or taints (ResourceSliceMaxDevicesWithAdvancedFeatures)
 MAX_ATTR_VALUE = 64  # DeviceAttributeMaxValueLength
+MAX_NAME = 63  # a device name is a DNS label
 _LABEL = re.compile(r"[^a-z0-9-]+")
 _RATE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*Gb/sec")
 
@@ -113,23 +116,39 @@ def dns_label(name: str) -> str:
     return _LABEL.sub("-", name.lower()).strip("-")[:60].strip("-")
 
 
-def device_names(nics: Sequence[str], reserved: Sequence[str] = ()) -> dict[str, str]:
-    """RDMA device name -> device name, unique and valid: a name that collides (``mlx5_0`` and
-    ``MLX5-0``) or makes no label (a non-UTF-8 ``\\xNN`` name) gets a hash of the kernel name."""
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:8]
+
+
+def nic_key(nic: Nic) -> str:
+    """What names a NIC's devices: its PCI address, else its node GUID, else its RDMA device name."""
+    if nic.pci_address:
+        return nic.pci_address
+    return f"guid-{nic.node_guid}" if nic.node_guid else nic.name
+
+
+def device_names(nics: Mapping[str, str], reserved: Sequence[str] = ()) -> dict[str, str]:
+    """RDMA device name -> device name, from each NIC's key (:func:`nic_key`), unique and valid: a key
+    that collides (``mlx5_0`` and ``MLX5-0`` without PCI addresses) or makes no label (a non-UTF-8
+    ``\\xNN`` name) gets a hash of the key."""
     taken = set(reserved)
     out: dict[str, str] = {}
-    for name in sorted(nics, key=lambda n: (n != n.lower(), n)):  # kernel names are lowercase: they win
-        label = dns_label(name)
+    for name, key in sorted(nics.items(), key=lambda nk: (nk[1] != nk[1].lower(), nk[1])):  # lowercase wins
+        label = dns_label(key)
         if not label or label in taken or label + EXCLUSIVE_SUFFIX in taken or label.endswith(EXCLUSIVE_SUFFIX):
-            digest = hashlib.sha256(name.encode("utf-8", "backslashreplace")).hexdigest()[:8]
-            label = f"{label[:50]}-{digest}".strip("-") if label else f"nic-{digest}"
+            label = f"{label[:50]}-{_digest(key)}".strip("-") if label else f"nic-{_digest(key)}"
         taken.update((label, label + EXCLUSIVE_SUFFIX))
         out[name] = label
     return out
 
 
-def set_device_name(resource: str) -> str:
-    return SET_PREFIX + dns_label(resource.split("/", 1)[-1])
+def set_device_name(resource: str, taken: Sequence[str] = ()) -> str:
+    """``all-<short name>`` within a DNS label's 63 characters: a long or colliding one
+    (``a.example.com/hca`` beside ``b.example.com/hca``) is cut and ends with a hash of the resource."""
+    name = SET_PREFIX + dns_label(resource.split("/", 1)[-1])
+    if len(name) > MAX_NAME or name in taken:
+        name = f"{name[: MAX_NAME - 9].rstrip('-')}-{_digest(resource)}"
+    return name
 
 
 def rate_gbps(rate: str) -> float | None:
@@ -221,13 +240,16 @@ def build(
         )
     by_name = {v.nic.name: v for v in nics}
     budgets = {r.name: r.budget for r in resources}
-    sets = {r.name: set_device_name(r.name) for r in resources if any(v.resource == r.name for v in nics)}
-    names = device_names(list(by_name), reserved=list(sets.values()))
+    sets: dict[str, str] = {}
+    for r in resources:
+        if any(v.resource == r.name for v in nics):
+            sets[r.name] = set_device_name(r.name, list(sets.values()))
+    names = device_names({n: nic_key(v.nic) for n, v in by_name.items()}, reserved=list(sets.values()))
     devices: list[dict[str, Any]] = []
     refs: dict[str, DeviceRef] = {}
     health: dict[str, tuple[bool, str]] = {}
     counters: dict[str, int] = {}
-    for name in sorted(by_name):
+    for name in sorted(by_name, key=lambda n: names[n]):  # by device name: a rename moves nothing
         v = by_name[name]
         label = names[name]
         healthy = v.health.healthy
@@ -299,7 +321,12 @@ def build(
                     "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": str(r.budget)}},
                 }
             },
-            "consumesCounters": [{"counterSet": COUNTER_SET, "counters": {names[n]: {"value": "1"} for n in members}}],
+            "consumesCounters": [
+                {
+                    "counterSet": COUNTER_SET,
+                    "counters": {names[n]: {"value": "1"} for n in sorted(members, key=lambda m: names[m])},
+                }
+            ],
         }
         if not healthy:
             first = min((since.get(n, "") for n in bad), default="")
