@@ -742,3 +742,49 @@ def test_device_names_and_alignment_do_not_move_when_the_kernel_renames_nics(
                 attr(slice_devices(complete(api.slices(exclusive.name)) or [])[device], "rdmaDevice") == "mlx5_bond_0"
             ),
         )
+
+
+# ------------------------------------------------------------------ 8 rails
+
+
+@pytest.fixture(scope="module")
+def many(cluster: kube_cluster.Cluster, api: Api, workdir: Path) -> Iterator[DraNode]:
+    """A node with 16 NICs (mlx5_0 .. mlx5_15)."""
+    n = DraNode(cluster, "n3", workdir / "n3", index=3, spec=fixtures.many_nics_node(16)).start_driver()
+    try:
+        wait_for("n3's ResourceSlices", lambda: complete(api.slices("n3")))
+        yield n
+    finally:
+        n.close()
+
+
+def test_an_8_rail_pod_gets_every_nic_in_one_env(api: Api, many: DraNode, objs: Objects) -> None:
+    """8 claims of one NIC each in one container (as 8 GPU+NIC rails): the env names all 8 NICs,
+    exactly as the device plugin's env for those 8 NICs, whichever claim's CDI spec is applied last."""
+    rails = [f"mlx5_{i}" for i in range(8)]
+    names = tuple(objs.claim(f"rail-{i}", request("nic", EXCLUSIVE, nic_is(n))) for i, n in enumerate(rails))
+    objs.pod("rails", many, names)
+    wait_for("the 8-rail pod running", lambda: running(api, "rails"))
+    env, nodes = many.got("rails")
+    assert sorted(env["RDMA_DEVICES"].split(",")) == sorted(rails)
+    assert all(n in env["NCCL_IB_HCA"] for n in rails)
+    assert env == _device_plugin_env(many, "exclusive", rails)
+    assert len([n for n in nodes if "uverbs" in n]) == 8
+    # Each claim's spec alone carries that env (what a runtime keeps whatever the order).
+    for name in names:
+        uid = api.claim(name)["metadata"]["uid"]
+        spec = json.loads((many.cdi_dir / f"{DRIVER}-claim_{uid}.json").read_text())
+        assert dict(kv.split("=", 1) for kv in spec["containerEdits"]["env"]) == env
+
+
+def test_containers_with_different_nics_through_one_claim_are_refused(api: Api, many: DraNode, objs: Objects) -> None:
+    objs.claim("both-a", request("nic", EXCLUSIVE, nic_is("mlx5_10")))
+    objs.claim("both-b", request("nic", EXCLUSIVE, nic_is("mlx5_11")))
+    obj = pod("two-sets", many.name, ("both-a", "both-b"), grace=0)
+    first = obj["spec"]["containers"][0]
+    obj["spec"]["containers"].append({**first, "name": "d", "resources": {"claims": [{"name": "c0"}]}})
+    api.create(obj)
+    objs.pods.append(obj)
+    message = wait_for("the claim refused", lambda: _events(api, "two-sets", "FailedPrepareDynamicResources"))[0]
+    assert "claim default/both-a is used by containers that hold different sets of rdma.lingjun.io NICs" in message
+    assert "two-sets/c: mlx5_10, mlx5_11; two-sets/d: mlx5_10" in message

@@ -46,12 +46,14 @@ from typing import Any
 
 from ..resources import AllocationError, ContainerAllocation, DeviceSpec, ResourcePool, nic_identity
 from . import kubeapi
+from .containers import claims_by_container, pods_of
 from .model import EXCLUSIVE, SET, DeviceRef, Published
 
 LOG = logging.getLogger(__name__)
 CDI_VERSION = "0.6.0"
 RDMA_CM = "/dev/infiniband/rdma_cm"
 BOOT_ID = "sys/kernel/random/boot_id"  # below the procfs root
+POD_CACHE = 1024  # pods whose containers' NICs are kept, oldest forgotten first
 # What the API server makes a UID (a UUID, util/uuid): nothing else may name a file.
 _UID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
@@ -161,6 +163,7 @@ class Claims:
         self._lock = threading.Lock()  # the records (and the conflict check with the write it allows)
         self._claim_locks: dict[str, tuple[threading.Lock, list[int]]] = {}  # uid -> (lock, [users])
         self._prepared: dict[str, dict[str, Any]] = {}
+        self._pod_nics: dict[str, list[tuple[list[str], frozenset[str], frozenset[tuple[str, str]]]]] = {}
         os.makedirs(self.records_dir, exist_ok=True)
         for entry in sorted(os.listdir(self.records_dir)):
             path = os.path.join(self.records_dir, entry)
@@ -246,7 +249,8 @@ class Claims:
         ]
         if others:
             raise ClaimError(f"{where}: devices {others} of {self.driver} are not on node {self.node}")
-        devices, spec, held = self._build(where, uid, results)
+        companions = self._companions(where, namespace, name, claim)
+        devices, spec, held = self._build(where, uid, results, companions)
         path = cdi_file(self.cdi_dir, self.driver, uid)
         rec = {
             "uid": uid,
@@ -286,8 +290,73 @@ class Claims:
                             "The scheduler never allocates this: check who wrote the claims' status.allocation"
                         )
 
+    def _nics_of(self, claim: dict[str, Any], published: Published) -> dict[str, str]:
+        """RDMA device name -> resource of the NICs a claim holds from this driver on this node."""
+        out: dict[str, str] = {}
+        for r in ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results") or []:
+            ref = published.refs.get(str(r.get("device")))
+            if r.get("driver") == self.driver and r.get("pool") == self.node and ref is not None:
+                out.update({n: ref.resource for n in ref.nics})
+        return out
+
+    def _companions(self, where: str, namespace: str, name: str, claim: dict[str, Any]) -> dict[str, str]:
+        """The NICs (name -> resource) of this driver in the containers that use this claim, its own
+        and those of their other claims (:mod:`.containers`): the env of its spec names them all."""
+        unions: dict[frozenset[tuple[str, str]], list[str]] = {}
+        for pod_name, pod_uid in pods_of(claim):
+            containers = self._pod_nics.get(pod_uid)
+            if containers is None:
+                containers = self._containers(where, namespace, pod_name, pod_uid, name, claim)
+            for users, names, nics in containers:
+                if name in names:
+                    unions.setdefault(nics, []).extend(users)
+        if len(unions) > 1:
+            shown = "; ".join(
+                f"{', '.join(sorted(users))}: {', '.join(sorted(n for n, _ in nics)) or 'none'}"
+                for nics, users in sorted(unions.items(), key=lambda kv: sorted(kv[1]))
+            )
+            raise ClaimError(
+                f"{where} is used by containers that hold different sets of {self.driver} NICs ({shown}): "
+                "the env of its CDI spec can name one set only; give those containers claims of their own"
+            )
+        return dict(next(iter(unions))) if unions else {}
+
+    def _containers(
+        self, where: str, namespace: str, pod_name: str, pod_uid: str, name: str, claim: dict[str, Any]
+    ) -> list[tuple[list[str], frozenset[str], frozenset[tuple[str, str]]]]:
+        """A pod's containers that use claims: (``pod/container``, their claims, their NICs of this
+        driver). A bound pod's claims stay allocated as they are while it exists: kept per pod."""
+        try:
+            pod = self.client.get(kubeapi.pod_path(namespace, pod_name))
+        except kubeapi.ApiError as exc:
+            if kubeapi.not_found(exc):
+                return []
+            raise ClaimError(f"{where}: reading pod {namespace}/{pod_name} failed ({exc})") from exc
+        if pod.get("metadata", {}).get("uid") != pod_uid:
+            return []
+        published = self.published()
+        fetched = {name: claim}
+        out = []
+        for container, names in sorted(claims_by_container(pod).items()):
+            nics: dict[str, str] = {}
+            for other in sorted(names):
+                if other not in fetched:
+                    try:
+                        fetched[other] = self.client.get(kubeapi.claim_path(namespace, other))
+                    except kubeapi.ApiError as exc:
+                        if not kubeapi.not_found(exc):
+                            raise ClaimError(f"{where}: reading claim {namespace}/{other} failed ({exc})") from exc
+                        fetched[other] = {}
+                nics.update(self._nics_of(fetched[other], published))
+            out.append(([f"{pod_name}/{container}"], frozenset(names), frozenset(nics.items())))
+        with self._lock:
+            self._pod_nics[pod_uid] = out
+            while len(self._pod_nics) > POD_CACHE:
+                del self._pod_nics[next(iter(self._pod_nics))]
+        return out
+
     def _build(
-        self, where: str, uid: str, results: list[dict[str, Any]]
+        self, where: str, uid: str, results: list[dict[str, Any]], companions: dict[str, str]
     ) -> tuple[list[PreparedDevice], dict[str, Any], list[dict[str, Any]]]:
         published = self.published()
         refs: dict[str, DeviceRef] = {}
@@ -330,7 +399,14 @@ class Claims:
             nics_of[device] = names
             ids = {nic_identity(present[n]): n for n in names}
             held.append({"device": device, "view": ref.view, "nics": sorted(ids), "names": ids})
-        every = sorted({n for names in nics_of.values() for n in names})
+        mixed = sorted({r for r in companions.values() if r != owners[0]})
+        if mixed:
+            raise ClaimError(
+                f"{where}: a container that uses it holds NICs of resources {[owners[0], *mixed]} through its "
+                "claims: their env can name one resource's NICs only; ask one resource's NICs per container"
+            )
+        # The container's other claims' NICs too (one env for all of them): those present on the node.
+        every = sorted({n for names in nics_of.values() for n in names} | (set(companions) & set(present)))
         whole = self._allocate(where, pool, [present[n].pci_address for n in every])
         for device in sorted(refs):
             nodes: list[dict[str, str]] = []
