@@ -744,18 +744,42 @@ def test_device_names_and_alignment_do_not_move_when_the_kernel_renames_nics(
         )
 
 
-# ------------------------------------------------------------------ 8 rails
+# ------------------------------------------------------------------ 33 NICs, 8 rails
 
 
 @pytest.fixture(scope="module")
 def many(cluster: kube_cluster.Cluster, api: Api, workdir: Path) -> Iterator[DraNode]:
-    """A node with 16 NICs (mlx5_0 .. mlx5_15)."""
-    n = DraNode(cluster, "n3", workdir / "n3", index=3, spec=fixtures.many_nics_node(16)).start_driver()
+    """A node with 33 NICs (mlx5_0 .. mlx5_32): more than one counter set holds."""
+    n = DraNode(cluster, "n3", workdir / "n3", index=3, spec=fixtures.many_nics_node(33)).start_driver()
     try:
         wait_for("n3's ResourceSlices", lambda: complete(api.slices("n3")))
         yield n
     finally:
         n.close()
+
+
+def test_33_nics_are_published_and_allocated(api: Api, many: DraNode, objs: Objects) -> None:
+    slices = wait_for("n3's slices", lambda: complete(api.slices(many.name)))
+    assert sorted(s["metadata"]["labels"]["rdma.lingjun.io/slice"] for s in slices) == [
+        "counters",
+        "devices",
+        "devices-1",
+    ]
+    devices = slice_devices(slices)
+    assert len(devices) == 2 * 33 + 1
+    # An rdma/hca pod (shared mode: the set of every NIC) gets all 33.
+    objs.pod("hca-33", many, limits={"rdma/hca": "1"}, grace=0)
+    wait_for("the rdma/hca pod running", lambda: running(api, "hca-33"))
+    env, nodes = many.got("hca-33")
+    assert sorted(env["RDMA_DEVICES"].split(",")) == sorted(f"mlx5_{i}" for i in range(33))
+    assert len([n for n in nodes if "uverbs" in n]) == 33
+    # mlx5_32's counter is in the second counter set: its exclusive view waits for the set's share.
+    objs.claim("x-32", request("nic", EXCLUSIVE, nic_is("mlx5_32")))
+    objs.pod("x-32", many, ("x-32",))
+    assert "cannot allocate all claims" in wait_for("the exclusive claim refused", lambda: unschedulable(api, "x-32"))
+    objs.delete_pod("hca-33")
+    wait_for("the exclusive claim's pod running", lambda: running(api, "x-32"), timeout=180)
+    assert allocated_devices(api, "x-32") == [_device(api, many, "mlx5_32", "exclusive")]
 
 
 def test_an_8_rail_pod_gets_every_nic_in_one_env(api: Api, many: DraNode, objs: Objects) -> None:

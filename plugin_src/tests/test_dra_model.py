@@ -61,7 +61,7 @@ def test_device_names_follow_the_pci_function_not_the_kernel_name(tmp_path: obje
                 d["attributes"][model.PCIE_ROOT]["string"],
                 d["attributes"]["rdmaDevice"]["string"],
             )
-            for d in pub.devices["devices"]
+            for d in pub.all_devices()
             if model.PCI_BUS_ID in d["attributes"]
         }
 
@@ -70,7 +70,7 @@ def test_device_names_follow_the_pci_function_not_the_kernel_name(tmp_path: obje
     assert (b["0000-1a-00-0"][2], a["0000-1a-00-0"][2]) == ("mlx5_bond_0", "mlx5_bond_2")
     assert {k: v[:2] for k, v in b.items()} == {k: v[:2] for k, v in a.items()}
     assert after.refs["0000-1a-00-0-x"].nics == ("mlx5_bond_2",)  # prepare hands out the NIC by its new name
-    assert [d["name"] for d in before.devices["devices"]] == [d["name"] for d in after.devices["devices"]]
+    assert [d["name"] for d in before.all_devices()] == [d["name"] for d in after.all_devices()]
     assert before.counters == after.counters
 
 
@@ -150,14 +150,40 @@ def test_a_nic_down_taints_its_views_and_the_set_by_policy(tmp_path: object) -> 
         assert pub.health["0000-3a-00-0"] == (False, "port 1 DOWN (not ACTIVE)")
 
 
-def test_too_many_nics_is_a_clear_error_and_no_nic_publishes_an_empty_pool(tmp_path: object) -> None:
-    many = views(tmp_path, nics=4) * 9  # 36 views
-    many = [
-        model.NicView(replace(v.nic, name=f"n{i}", pci_address=f"0000:{i:02x}:00.0"), v.health, v.resource)
-        for i, v in enumerate(many)
-    ]
-    with pytest.raises(ValueError, match="at most 32"):
-        model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, "all")], many, {})
+def test_33_nics_take_two_counter_sets_and_two_device_slices(tmp_path: object) -> None:
+    """More NICs than a counter set holds (32): the pool gets a counter set per 32 NICs and a devices
+    slice per 64 devices, each within the API's limits, and every NIC's views count against its NIC."""
+    node = fixtures.write_node(str(tmp_path), fixtures.many_nics_node(33))
+    found = sysfs.read_nics(node.sysfs, node.dev)
+    vs = [model.NicView(n, NicHealth(True, ("ACTIVE",)), "rdma/hca") for n in found]
+    pub = model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, "all")], vs, {})
+    specs = pub.specs()
+    assert sorted(specs) == ["counters", "devices", "devices-1"]
+    assert all(s["pool"]["resourceSliceCount"] == 3 for s in specs.values())
+    assert pub.counters is not None
+    sets = {cs["name"]: cs["counters"] for cs in pub.counters["sharedCounters"]}
+    assert sorted(sets) == ["nics", "nics-1"] and [len(c) for c in sets.values()] == [32, 1]
+    devices = pub.all_devices()
+    assert len(devices) == 2 * 33 + 1 and [len(specs[k]["devices"]) for k in ("devices", "devices-1")] == [64, 3]
+    counted = {name for c in sets.values() for name in c}
+    for d in devices:
+        assert DNS_LABEL.fullmatch(d["name"])
+        for use in d["consumesCounters"]:
+            assert set(use["counters"]) <= set(sets[use["counterSet"]])  # counted in the set it names
+    (whole,) = [d for d in devices if d["name"] == "all-hca"]
+    assert (
+        len(whole["consumesCounters"]) == 2 and {n for u in whole["consumesCounters"] for n in u["counters"]} == counted
+    )
+    assert len(counted) == 33
+
+
+def test_beyond_the_limits_a_clear_error_and_no_nic_publishes_an_empty_pool(tmp_path: object) -> None:
+    node = fixtures.write_node(str(tmp_path), fixtures.many_nics_node(65))
+    vs = [model.NicView(n, NicHealth(True, ("ACTIVE",)), "rdma/hca") for n in sysfs.read_nics(node.sysfs, node.dev)]
+    with pytest.raises(
+        ValueError, match="65 NICs of resource rdma/hca on node n: its all-NICs device can count at most 64"
+    ):
+        model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, "all")], vs, {})
     empty = model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, "all")], [], {})
     assert empty.counters is None and empty.devices["devices"] == []
     assert empty.devices["pool"]["resourceSliceCount"] == 1 and list(empty.specs()) == ["devices"]

@@ -62,6 +62,7 @@ class Driver:
         self._published = model.build(self.driver, self.node, config.mode, [], [], {})
         self._published_lock = threading.Lock()
         self._key: object = None
+        self.build_error = ""  # why the NICs cannot be published now ("" when they are)
         self.feed = HealthFeed()
         self.first_published: float | None = None  # seconds from start to the first slices in the API
         self.publisher = Publisher(client, self.driver, self.node, on_published=self._on_published)
@@ -99,7 +100,6 @@ class Driver:
         key = (tuple((p.view.version, p.view.nic_set) for p in self.pools), self.discovery.affinity)
         if key == self._key and not force:
             return False
-        self._key = key
         views = self.inventory.views(self.pools, self.discovery.affinity)
         try:
             published = model.build(
@@ -110,9 +110,12 @@ class Driver:
                 views,
                 self.inventory.unhealthy_since,
             )
-        except ValueError as exc:
-            LOG.error("cannot publish this node's NICs", extra={"error": str(exc)})
+        except ValueError as exc:  # not marked handled: tried again at every pass, said once
+            if str(exc) != self.build_error:
+                LOG.error("cannot publish this node's NICs", extra={"error": str(exc)})
+            self.build_error = str(exc)
             return False
+        self._key, self.build_error = key, ""
         with self._published_lock:
             self._published = published
         self.publisher.set_specs(published.specs())

@@ -57,6 +57,8 @@ SHARED, EXCLUSIVE, SET = "shared", "exclusive", "set"
 # Kinds of slice in the pool (a label on each, so the publisher finds its own).
 COUNTERS_SLICE, DEVICES_SLICE = "counters", "devices"
 MAX_NICS = 32  # counters in one counter set (ResourceSliceMaxCountersPerCounterSet)
+MAX_COUNTER_SETS = 8  # counter sets in a slice (ResourceSliceMaxCounterSets)
+MAX_CONSUMPTIONS = 2  # counter sets one device consumes from (ResourceSliceMaxDeviceCounterConsumptionsPerDevice)
 MAX_DEVICES = 64  # devices in a slice that uses counters or taints (ResourceSliceMaxDevicesWithAdvancedFeatures)
 MAX_ATTR_VALUE = 64  # DeviceAttributeMaxValueLength
 MAX_NAME = 63  # a device name is a DNS label
@@ -103,12 +105,17 @@ class Published:
     devices: dict[str, Any]
     refs: dict[str, DeviceRef] = field(default_factory=dict)
     health: dict[str, tuple[bool, str]] = field(default_factory=dict)  # device -> (healthy, why)
+    more_devices: list[dict[str, Any]] = field(default_factory=list)  # beyond MAX_DEVICES: slices devices-1, ...
 
     def specs(self) -> dict[str, dict[str, Any]]:
         out = {DEVICES_SLICE: self.devices}
+        out.update({f"{DEVICES_SLICE}-{i}": spec for i, spec in enumerate(self.more_devices, 1)})
         if self.counters is not None:
             out[COUNTERS_SLICE] = self.counters
         return out
+
+    def all_devices(self) -> list[dict[str, Any]]:
+        return [d for spec in (self.devices, *self.more_devices) for d in spec["devices"]]
 
 
 def dns_label(name: str) -> str:
@@ -233,11 +240,6 @@ def build(
 ) -> Published:
     """The pool's slices. ``since``: RDMA device name -> when it became unhealthy (taint timeAdded,
     RFC 3339), so a republish keeps it. ``mode``: which view serves the extended resource."""
-    if len(nics) > MAX_NICS:
-        raise ValueError(
-            f"{len(nics)} NICs selected on node {node}: a pool's counter set holds at most {MAX_NICS}; "
-            "narrow the resources' selectors"
-        )
     by_name = {v.nic.name: v for v in nics}
     budgets = {r.name: r.budget for r in resources}
     sets: dict[str, str] = {}
@@ -245,6 +247,9 @@ def build(
         if any(v.resource == r.name for v in nics):
             sets[r.name] = set_device_name(r.name, list(sets.values()))
     names = device_names({n: nic_key(v.nic) for n, v in by_name.items()}, reserved=list(sets.values()))
+    counter_set = counter_sets(
+        node, [r.name for r in resources], {n: (v.resource, names[n]) for n, v in by_name.items()}
+    )
     devices: list[dict[str, Any]] = []
     refs: dict[str, DeviceRef] = {}
     health: dict[str, tuple[bool, str]] = {}
@@ -277,7 +282,7 @@ def build(
             "allowMultipleAllocations": True,
             "attributes": {**attrs, "sharing": _str(SHARED)},
             "capacity": capacity,
-            "consumesCounters": [{"counterSet": COUNTER_SET, "counters": {label: {"value": "1"}}}],
+            "consumesCounters": [{"counterSet": counter_set[name], "counters": {label: {"value": "1"}}}],
         }
         x_attrs = {**attrs, "sharing": _str(EXCLUSIVE)}
         if mode == "exclusive":
@@ -285,7 +290,7 @@ def build(
         exclusive: dict[str, Any] = {
             "name": label + EXCLUSIVE_SUFFIX,
             "attributes": x_attrs,
-            "consumesCounters": [{"counterSet": COUNTER_SET, "counters": {label: {"value": str(shares)}}}],
+            "consumesCounters": [{"counterSet": counter_set[name], "counters": {label: {"value": str(shares)}}}],
         }
         if gbps:
             exclusive["capacity"] = {BANDWIDTH: {"value": f"{int(gbps * 1000)}M"}}
@@ -323,9 +328,14 @@ def build(
             },
             "consumesCounters": [
                 {
-                    "counterSet": COUNTER_SET,
-                    "counters": {names[n]: {"value": "1"} for n in sorted(members, key=lambda m: names[m])},
+                    "counterSet": cs,
+                    "counters": {
+                        names[n]: {"value": "1"}
+                        for n in sorted(members, key=lambda m: names[m])
+                        if counter_set[n] == cs
+                    },
                 }
+                for cs in sorted({counter_set[n] for n in members}, key=_set_order)
             ],
         }
         if not healthy:
@@ -336,15 +346,50 @@ def build(
         devices.append(device)
         refs[set_name] = DeviceRef(set_name, SET, tuple(members), r.name)
         health[set_name] = (healthy, why)
-    if len(devices) > MAX_DEVICES:
-        raise ValueError(
-            f"{len(devices)} devices for node {node}: a slice with counters holds at most {MAX_DEVICES} "
-            "(two per NIC and one per resource); narrow the resources' selectors"
-        )
-    pool = {"name": node, "generation": generation, "resourceSliceCount": 2 if counters else 1}
+    # MAX_DEVICES per slice: more go to more slices of the pool (a NIC's two views stay in one).
+    chunks = [devices[i : i + MAX_DEVICES] for i in range(0, len(devices), MAX_DEVICES)] or [[]]
+    pool = {"name": node, "generation": generation, "resourceSliceCount": len(chunks) + (1 if counters else 0)}
     common = {"driver": driver, "nodeName": node, "pool": pool}
     counters_spec = None
     if counters:
-        sets_of = {k: {"value": str(c)} for k, c in counters.items()}
-        counters_spec = {**common, "sharedCounters": [{"name": COUNTER_SET, "counters": sets_of}]}
-    return Published(counters_spec, {**common, "devices": devices}, refs, health)
+        by_set: dict[str, dict[str, Any]] = {}
+        for name in sorted(by_name, key=lambda n: names[n]):
+            by_set.setdefault(counter_set[name], {})[names[name]] = {"value": str(counters[names[name]])}
+        shared_counters = [{"name": cs, "counters": by_set[cs]} for cs in sorted(by_set, key=_set_order)]
+        counters_spec = {**common, "sharedCounters": shared_counters}
+    return Published(
+        counters_spec, {**common, "devices": chunks[0]}, refs, health, [{**common, "devices": c} for c in chunks[1:]]
+    )
+
+
+def _set_order(name: str) -> int:
+    return int(name.rsplit("-", 1)[1]) if "-" in name else 0
+
+
+def counter_sets(node: str, resources: Sequence[str], nics: Mapping[str, tuple[str, str]]) -> dict[str, str]:
+    """RDMA device name -> the counter set that holds its NIC's counter (``nics``: name -> (resource,
+    device name)). Up to MAX_NICS NICs share one set; more take a set per MAX_NICS NICs of each resource
+    (``nics``, ``nics-1``, ...), so a resource's set device consumes from at most
+    MAX_CONSUMPTIONS of them. Beyond the API's limits: a ValueError that says which."""
+    if len(nics) <= MAX_NICS:
+        return {n: COUNTER_SET for n in nics}
+    out: dict[str, str] = {}
+    index = 0
+    for r in resources:
+        members = sorted((label, n) for n, (owner, label) in nics.items() if owner == r)
+        if len(members) > MAX_NICS * MAX_CONSUMPTIONS:
+            raise ValueError(
+                f"{len(members)} NICs of resource {r} on node {node}: its all-NICs device can count at most "
+                f"{MAX_NICS * MAX_CONSUMPTIONS} ({MAX_CONSUMPTIONS} counter sets of {MAX_NICS}); "
+                "split them between resources (selectors)"
+            )
+        for i in range(0, len(members), MAX_NICS):
+            for _, n in members[i : i + MAX_NICS]:
+                out[n] = COUNTER_SET if index == 0 else f"{COUNTER_SET}-{index}"
+            index += 1
+    if index > MAX_COUNTER_SETS:
+        raise ValueError(
+            f"{len(nics)} NICs selected on node {node} need {index} counter sets, a pool holds at most "
+            f"{MAX_COUNTER_SETS} ({MAX_NICS} NICs each, per resource); narrow the resources' selectors"
+        )
+    return out
