@@ -81,7 +81,7 @@ def cluster(workdir: Path) -> Iterator[kube_cluster.Cluster]:
 @pytest.fixture(scope="module")
 def api(cluster: kube_cluster.Cluster) -> Api:
     a = Api(cluster.kubeconfig)
-    for obj in chart_objects({"driver": "dra"}):
+    for obj in chart_objects({"driver": "dra", "numaPools": True}):  # numaPools: its classes too
         if obj["kind"] == "DeviceClass":
             a.apply(obj)
     a.apply(
@@ -749,8 +749,11 @@ def test_device_names_and_alignment_do_not_move_when_the_kernel_renames_nics(
 
 @pytest.fixture(scope="module")
 def many(cluster: kube_cluster.Cluster, api: Api, workdir: Path) -> Iterator[DraNode]:
-    """A node with 33 NICs (mlx5_0 .. mlx5_32): more than one counter set holds."""
-    n = DraNode(cluster, "n3", workdir / "n3", index=3, spec=fixtures.many_nics_node(33)).start_driver()
+    """A node with 33 NICs (mlx5_0 .. mlx5_16 on NUMA node 0, the rest on 1): more than one counter set
+    holds. Shared mode with numaPools: rdma/hca-numa<N> served through DRA too."""
+    numa_pools = {"resources": [{"name": "rdma/hca", "numaPools": True}]}
+    spec = fixtures.many_nics_node(33)
+    n = DraNode(cluster, "n3", workdir / "n3", index=3, spec=spec, config=numa_pools).start_driver()
     try:
         wait_for("n3's ResourceSlices", lambda: complete(api.slices("n3")))
         yield n
@@ -766,7 +769,7 @@ def test_33_nics_are_published_and_allocated(api: Api, many: DraNode, objs: Obje
         "devices-1",
     ]
     devices = slice_devices(slices)
-    assert len(devices) == 2 * 33 + 1
+    assert len(devices) == 2 * 33 + 3  # two views per NIC, every NIC as a set, each NUMA node's NICs as a set
     # An rdma/hca pod (shared mode: the set of every NIC) gets all 33.
     objs.pod("hca-33", many, limits={"rdma/hca": "1"}, grace=0)
     wait_for("the rdma/hca pod running", lambda: running(api, "hca-33"))
@@ -812,3 +815,13 @@ def test_containers_with_different_nics_through_one_claim_are_refused(api: Api, 
     message = wait_for("the claim refused", lambda: _events(api, "two-sets", "FailedPrepareDynamicResources"))[0]
     assert "claim default/both-a is used by containers that hold different sets of rdma.lingjun.io NICs" in message
     assert "two-sets/c: mlx5_10, mlx5_11; two-sets/d: mlx5_10" in message
+
+
+def test_numa_pools_through_dra(api: Api, many: DraNode, objs: Objects) -> None:
+    """A device-plugin pod asking rdma/hca-numa1 (numaPools) runs on a DRA node with NUMA node 1's NICs."""
+    objs.pod("numa1-pod", many, limits={"rdma/hca-numa1": "1"}, grace=0)
+    p = wait_for("the rdma/hca-numa1 pod running", lambda: running(api, "numa1-pod"))
+    claim_name = p["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+    assert allocated_devices(api, claim_name) == ["all-hca-numa1"]
+    env, _ = many.got("numa1-pod")
+    assert sorted(env["RDMA_DEVICES"].split(",")) == sorted(f"mlx5_{i}" for i in range(17, 33))

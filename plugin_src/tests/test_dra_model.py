@@ -187,3 +187,25 @@ def test_beyond_the_limits_a_clear_error_and_no_nic_publishes_an_empty_pool(tmp_
     empty = model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, "all")], [], {})
     assert empty.counters is None and empty.devices["devices"] == []
     assert empty.devices["pool"]["resourceSliceCount"] == 1 and list(empty.specs()) == ["devices"]
+
+
+def test_numa_pools_get_a_set_per_numa_node_in_shared_mode(tmp_path: object) -> None:
+    """``numaPools``: ``rdma/hca-numa<N>`` through DRA, a set device of node N's NICs that serves it;
+    each such set is one more share of its NICs in their counters."""
+    r = model.ResourceView("rdma/hca", 10, "all", numa_pools=True)
+    pub = model.build("d.example.com", "n", "shared", [r], views(tmp_path), {})
+    devices = {d["name"]: d for d in pub.all_devices()}
+    serving = {
+        d["attributes"]["extendedResource"]["string"]: n
+        for n, d in devices.items()
+        if "extendedResource" in d["attributes"]
+    }
+    assert serving == {"rdma/hca": "all-hca", "rdma/hca-numa0": "all-hca-numa0", "rdma/hca-numa1": "all-hca-numa1"}
+    assert pub.refs["all-hca-numa1"].nics == ("mlx5_bond_2", "mlx5_bond_3")
+    assert devices["all-hca-numa1"]["attributes"][model.NUMA_NODE] == {"int": 1}
+    assert pub.counters is not None
+    assert set(c["value"] for c in pub.counters["sharedCounters"][0]["counters"].values()) == {"3"}
+    assert devices["0000-5a-00-0-x"]["consumesCounters"][0]["counters"] == {"0000-5a-00-0": {"value": "3"}}
+    # Exclusive mode has no numaPools (the config refuses it): no NUMA sets.
+    excl = model.build("d.example.com", "n", "exclusive", [r], views(tmp_path), {})
+    assert not [d for d in excl.all_devices() if "numa" in d["name"]]

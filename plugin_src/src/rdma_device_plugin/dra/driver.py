@@ -54,7 +54,11 @@ class Driver:
         self.driver = args.driver_name
         self.started = time.monotonic()
         if any(r.numa_pools for r in config.resources):
-            LOG.info("numaPools has no DRA counterpart: claims select NICs by resource.kubernetes.io/numaNode")
+            LOG.warning(
+                "numaPools: <name>-numa<N> is served by a set device per NUMA node; <name>-local has no DRA "
+                "counterpart (no Topology Manager alignment with device-plugin GPUs): its pods stay Pending here",
+                extra={"fix": "docs/dra.md, Migrating: claims that match the GPU's numaNode or pcieRoot"},
+            )
         pc = pool_config(config)
         self.pools = [ResourcePool(r, pc) for r in pc.resources]
         self.discovery = Discovery(pc, self.pools, args.sysfs_root, args.dev_root)

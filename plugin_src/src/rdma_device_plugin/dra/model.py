@@ -42,6 +42,7 @@ from typing import Any
 
 from rdma_node.sysfs import Nic
 
+from ..config import numa_resource_name
 from ..health import NicHealth
 
 STANDARD = "resource.kubernetes.io"
@@ -85,6 +86,7 @@ class ResourceView:
     name: str  # rdma/hca
     budget: int  # sharedDevices: claims that share one device
     policy: str  # health.policy: all | any
+    numa_pools: bool = False  # also a set per NUMA node (<name>-numa<N>), shared mode
 
 
 @dataclass(frozen=True)
@@ -242,11 +244,21 @@ def build(
     RFC 3339), so a republish keeps it. ``mode``: which view serves the extended resource."""
     by_name = {v.nic.name: v for v in nics}
     budgets = {r.name: r.budget for r in resources}
-    sets: dict[str, str] = {}
+    # The set devices: per resource every NIC of it, and with numaPools (shared mode) the NICs of each
+    # NUMA node (extended resource <name>-numa<N>): (device name, extended resource, resource, members).
+    sets: list[tuple[str, str, ResourceView, list[str]]] = []
     for r in resources:
-        if any(v.resource == r.name for v in nics):
-            sets[r.name] = set_device_name(r.name, list(sets.values()))
-    names = device_names({n: nic_key(v.nic) for n, v in by_name.items()}, reserved=list(sets.values()))
+        members = sorted(n for n, v in by_name.items() if v.resource == r.name)
+        if not members:
+            continue
+        sets.append((set_device_name(r.name, [s[0] for s in sets]), r.name, r, members))
+        nodes = {m for n in members if (m := by_name[n].nic.numa_node) is not None and m >= 0}
+        for node_of in sorted(nodes) if r.numa_pools and mode == "shared" else ():
+            local = [n for n in members if by_name[n].nic.numa_node == node_of]
+            extended = numa_resource_name(r.name, node_of)
+            sets.append((set_device_name(extended, [s[0] for s in sets]), extended, r, local))
+    in_sets = {n: sum(1 for s in sets if n in s[3]) for n in by_name}
+    names = device_names({n: nic_key(v.nic) for n, v in by_name.items()}, reserved=[s[0] for s in sets])
     counter_set = counter_sets(
         node, [r.name for r in resources], {n: (v.resource, names[n]) for n, v in by_name.items()}
     )
@@ -260,7 +272,7 @@ def build(
         healthy = v.health.healthy
         why = "" if healthy else taint_value(v.health)
         taints = _taints(healthy, why, since.get(name, ""))
-        shares = 1 + (1 if v.resource in sets else 0)  # its shared view, and its resource's set
+        shares = 1 + in_sets[name]  # its shared view, and the sets that hold it
         counters[label] = shares
         attrs = _attrs(v)
         gbps = rate_gbps(v.nic.ports[0].rate) if v.nic.ports else None
@@ -301,18 +313,14 @@ def build(
             dname = label + (EXCLUSIVE_SUFFIX if view == EXCLUSIVE else "")
             refs[dname] = DeviceRef(dname, view, (name,), v.resource)
             health[dname] = (healthy, v.health.why)
-    for r in resources:
-        set_name = sets.get(r.name)
-        if set_name is None:
-            continue
-        members = sorted(n for n, v in by_name.items() if v.resource == r.name)
+    for set_name, extended, r, members in sets:
         usable = [by_name[n].health.healthy for n in members]
         healthy = all(usable) if r.policy == "all" else any(usable)
         bad = [n for n in members if not by_name[n].health.healthy]
         why = "" if healthy else f"{', '.join(bad)}: " + "; ".join(by_name[n].health.why for n in bad)
         attrs = {"resource": _str(r.name), "sharing": _str(SET), "nicCount": {"int": len(members)}}
         if mode == "shared":
-            attrs["extendedResource"] = _str(r.name)
+            attrs["extendedResource"] = _str(extended)
         numa = sorted({numa_of for n in members if (numa_of := by_name[n].nic.numa_node) is not None})
         if len(numa) == 1:
             attrs[NUMA_NODE] = {"int": numa[0]}
