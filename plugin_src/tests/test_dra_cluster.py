@@ -703,6 +703,9 @@ def test_device_names_and_alignment_do_not_move_when_the_kernel_renames_nics(
 ) -> None:
     """A reboot gives mlx5_bond_0 and mlx5_bond_2 each other's names (probe order). The claim keeps
     its device, the device keeps its PCI function and pcieRoot, and prepare hands out that function."""
+    spec = fixtures.lingjun_node(nics=4)
+    _reboot_with(exclusive, spec)  # all four NICs (an earlier test removed one, a restart forgot it)
+    wait_for("the four NICs published", lambda: len(slice_devices(complete(api.slices(exclusive.name)) or [])) == 9)
     objs.claim("stable", request("nic", EXCLUSIVE, nic_is("mlx5_bond_0")))
     objs.pod("stable", exclusive, ("stable",), grace=0)
     wait_for("the pod running", lambda: running(api, "stable"))
@@ -713,7 +716,6 @@ def test_device_names_and_alignment_do_not_move_when_the_kernel_renames_nics(
     assert device == X["mlx5_bond_0"] and where == ("0000:1a:00.0", "pci0000:15")
     _, nodes_before = exclusive.got("stable")
     swap = {"mlx5_bond_0": "mlx5_bond_2", "mlx5_bond_2": "mlx5_bond_0"}
-    spec = fixtures.lingjun_node(nics=4)
     renamed = replace(spec, nics=tuple(replace(n, name=swap.get(n.name, n.name)) for n in spec.nics))
     try:
         _reboot_with(exclusive, renamed)
