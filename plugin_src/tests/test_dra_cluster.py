@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -662,16 +663,23 @@ def test_records_survive_a_restart_are_dropped_by_a_reboot_and_orphans_are_colle
         api.delete(claim("deleted", []))  # gone while the driver was down: the kubelet never unprepares it
         stray = exclusive.cdi_dir / f"{DRIVER}-claim_{uuid.uuid4()}.json"  # a spec without a record
         stray.write_text("{}")
+        cut_short, in_flight = exclusive.cdi_dir / ".tmp-old.json", exclusive.cdi_dir / ".tmp-new.json"
+        for tmp in (cut_short, in_flight):
+            tmp.write_text("{")
+        os.utime(cut_short, (time.time() - 120, time.time() - 120))  # a write cut short 2 minutes ago
         mtime = (exclusive.cdi_dir / f"{DRIVER}-claim_{kept}.json").stat().st_mtime_ns
         exclusive.start_driver()
         wait_for(
-            "the deleted claim's record and spec and the stray spec collected",
+            "the deleted claim's record and spec, the stray spec and the old temp file collected",
             lambda: (
                 not (records / f"{deleted}.json").exists()
                 and not (exclusive.cdi_dir / f"{DRIVER}-claim_{deleted}.json").exists()
                 and not stray.exists()
+                and not cut_short.exists()
             ),
         )
+        assert in_flight.exists()  # maybe the device plugin's spec being written: left alone
+        in_flight.unlink()
         # The restart kept the live claim's record: the answer comes without writing the spec.
         assert (records / f"{kept}.json").exists()
         answer = wait_for("prepare after the restart", lambda: _retry_prepare(exclusive, kept, "kept"))

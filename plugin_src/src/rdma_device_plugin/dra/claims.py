@@ -40,6 +40,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -53,6 +54,7 @@ LOG = logging.getLogger(__name__)
 CDI_VERSION = "0.6.0"
 RDMA_CM = "/dev/infiniband/rdma_cm"
 BOOT_ID = "sys/kernel/random/boot_id"  # below the procfs root
+STALE_TEMP_SECONDS = 60.0  # a temp file of a CDI spec write this old was cut short
 POD_CACHE = 1024  # pods whose containers' NICs are kept, oldest forgotten first
 # What the API server makes a UID (a UUID, util/uuid): nothing else may name a file.
 _UID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
@@ -447,7 +449,8 @@ class Claims:
 
     def _collect_files(self) -> None:
         """CDI specs of this driver's claims without a record (a crash between the two writes, a
-        record of an earlier boot), and temp files of writes cut short."""
+        record of an earlier boot), and temp files of writes cut short: only old ones, since the
+        device plugin may write its own spec in the same dir (same temp prefix) at this moment."""
         prefix = f"{self.driver}-claim_"
         try:
             entries = sorted(os.listdir(self.cdi_dir))
@@ -456,9 +459,13 @@ class Claims:
         with self._lock:
             known = {os.path.basename(r["cdi"]) for r in self._prepared.values()}
             for entry in entries:
+                path = os.path.join(self.cdi_dir, entry)
                 orphan = entry.startswith(prefix) and entry.endswith(".json") and entry not in known
-                if orphan or entry.startswith(".tmp-"):
-                    _remove(os.path.join(self.cdi_dir, entry))
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.startswith(".tmp-") and time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
+                        orphan = True
+                if orphan:
+                    _remove(path)
                     LOG.info("orphaned CDI spec removed", extra={"file": entry})
 
     def collect(self) -> int:
