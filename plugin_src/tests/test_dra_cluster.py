@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -612,14 +613,34 @@ def test_prepare_refuses_a_nic_prepared_for_another_claim_in_a_conflicting_view(
 
 
 def test_a_cached_answer_only_for_the_same_allocation(api: Api, exclusive: DraNode, objs: Objects) -> None:
-    """Deallocated and allocated again under the same UID: prepare answers the new allocation."""
+    """Concurrent prepares of one claim write it once; deallocated and allocated again under the same
+    UID, prepare answers the new allocation."""
     objs.claim("realloc", request("nic", EXCLUSIVE))
     first, second = (_device(api, exclusive, nic, "exclusive") for nic in ("mlx5_bond_0", "mlx5_bond_1"))
     _write_allocation(api, "realloc", exclusive, first)
     uid = api.claim("realloc")["metadata"]["uid"]
     cdi = exclusive.cdi_dir / f"{DRIVER}-claim_{uid}.json"
     try:
-        assert [d.device_name for d in _prepare(exclusive, uid, "realloc").devices] == [first]
+        # 16 prepares of the claim sent at once over one connection: one writes the spec, the others
+        # get its answer.
+        sock = exclusive.kubelet_dir / "plugins" / DRIVER / "dra.sock"
+        with grpc.insecure_channel(f"unix://{sock}") as ch:
+            stub = dra_v1_pb2_grpc.DRAPluginStub(ch)
+            req = dra_v1_pb2.NodeUnprepareResourcesRequest(claims=[dra_v1_pb2.Claim(uid=str(uuid.uuid4()))])
+            stub.NodeUnprepareResources(req, timeout=30)  # connected: the 16 calls below start together
+            start = threading.Barrier(16)
+
+            def prepare(_: int) -> list[tuple[str, ...]]:
+                one = dra_v1_pb2.Claim(namespace="default", uid=uid, name="realloc")
+                start.wait()
+                answer = stub.NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(claims=[one]), timeout=30)
+                return _devices(answer.claims[uid])
+
+            with ThreadPoolExecutor(16) as pool:
+                answers = list(pool.map(prepare, range(16)))
+        assert len(set(map(tuple, answers))) == 1 and answers[0][0][1] == first
+        logged = [r for r in exclusive.log_lines() if r.get("msg") == "claim prepared" and r.get("uid") == uid]
+        assert len(logged) == 1
         assert [d.device_name for d in _prepare(exclusive, uid, "realloc").devices] == [first]  # cached
         _write_allocation(api, "realloc", exclusive)
         _write_allocation(api, "realloc", exclusive, second)
