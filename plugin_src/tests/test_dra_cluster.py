@@ -26,6 +26,7 @@ import grpc
 import pytest
 from dra_support import (
     DRIVER,
+    SLICES,
     Api,
     DraNode,
     allocated_devices,
@@ -46,9 +47,11 @@ from gpu_dra_stub import GpuDraStub
 
 from rdma_device_plugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from rdma_device_plugin.config import load_config_data
+from rdma_device_plugin.dra import model
 from rdma_device_plugin.dra.model import PCI_BUS_ID, PCIE_ROOT
+from rdma_device_plugin.health import NicHealth
 from rdma_device_plugin.resources import ResourcePool
-from rdma_node import fixtures
+from rdma_node import fixtures, sysfs
 
 # Each test waits for the real scheduler and kubelet with its own generous deadlines; the module's
 # cluster and nodes start in the first test's setup.
@@ -773,6 +776,28 @@ def test_device_names_and_alignment_do_not_move_when_the_kernel_renames_nics(
                 attr(slice_devices(complete(api.slices(exclusive.name)) or [])[device], "rdmaDevice") == "mlx5_bond_0"
             ),
         )
+
+
+def test_a_61_character_resource_name_makes_slices_the_api_accepts(api: Api, shared: DraNode) -> None:
+    """all-<resource> of a 61-character short name would be 65 characters: cut to a valid name, the
+    slices are accepted by the real API server's validation (the whole name, 63 characters, fits an
+    attribute; a longer one is refused by the driver: test_dra_model)."""
+    resource = "a/" + "r" * 61
+    nics = sysfs.read_nics(shared.fixture.sysfs, shared.fixture.dev)
+    views = [model.NicView(n, NicHealth(True, ("ACTIVE",)), resource) for n in nics]
+    pub = model.build("long.example.com", "n-long", "shared", [model.ResourceView(resource, 10, "all")], views, {})
+    (whole,) = [d["name"] for d in pub.devices["devices"] if "nicCount" in d["attributes"]]
+    assert len(whole) == 63 and whole.startswith("all-rrr")
+    created = []
+    try:
+        for spec in (pub.counters, pub.devices):
+            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"generateName": "long-"}}
+            created.append(api.client.create(SLICES, {**body, "spec": spec})["metadata"]["name"])
+        got = slice_devices(api.get(SLICES, fieldSelector="spec.driver=long.example.com")["items"])
+        assert whole in got and len(got) == 2 * len(nics) + 1
+    finally:
+        for name in created:
+            api.client.delete(f"{SLICES}/{name}")
 
 
 # ------------------------------------------------------------------ 33 NICs, 8 rails

@@ -83,6 +83,16 @@ def test_the_set_device_name_stays_a_dns_label() -> None:
     assert model.set_device_name("rdma/hca") == "all-hca"
 
 
+def test_a_resource_name_longer_than_an_attribute_is_refused_by_name(tmp_path: object) -> None:
+    long = "example.com/" + "r" * 61  # 73 characters: the resource attributes hold 64
+    with pytest.raises(ValueError, match=r"resource name\(s\) \['example.com/r+'\] longer than 64 characters"):
+        model.build("d.example.com", "n", "shared", [model.ResourceView(long, 10, "all")], views(tmp_path), {})
+    numa = "example.com/" + "r" * 50  # 62 characters, but <it>-numa0 is 68
+    mine = [replace(v, resource=numa) for v in views(tmp_path)]
+    with pytest.raises(ValueError, match="-numa0 is longer than 64 characters"):
+        model.build("d.example.com", "n", "shared", [model.ResourceView(numa, 10, "all", True)], mine, {})
+
+
 @pytest.mark.parametrize(
     ("rate", "gbps"),
     [("200 Gb/sec (4X HDR)", 200.0), ("400 Gb/sec (4X NDR)", 400.0), ("2.5 Gb/sec (1X SDR)", 2.5), ("", None)],

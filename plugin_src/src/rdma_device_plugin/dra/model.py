@@ -242,6 +242,13 @@ def build(
 ) -> Published:
     """The pool's slices. ``since``: RDMA device name -> when it became unhealthy (taint timeAdded,
     RFC 3339), so a republish keeps it. ``mode``: which view serves the extended resource."""
+    too_long = [r.name for r in resources if len(r.name) > MAX_ATTR_VALUE]
+    if too_long:
+        raise ValueError(
+            f"resource name(s) {too_long} longer than {MAX_ATTR_VALUE} characters: the DRA attributes that name "
+            f"a device's resource (resource, extendedResource) hold at most {MAX_ATTR_VALUE}; "
+            "give the resource (resources[].name) a shorter name to serve it through DRA"
+        )
     by_name = {v.nic.name: v for v in nics}
     budgets = {r.name: r.budget for r in resources}
     # The set devices: per resource every NIC of it, and with numaPools (shared mode) the NICs of each
@@ -256,6 +263,11 @@ def build(
         for node_of in sorted(nodes) if r.numa_pools and mode == "shared" else ():
             local = [n for n in members if by_name[n].nic.numa_node == node_of]
             extended = numa_resource_name(r.name, node_of)
+            if len(extended) > MAX_ATTR_VALUE:
+                raise ValueError(
+                    f"numaPools of resource {r.name}: {extended} is longer than {MAX_ATTR_VALUE} characters (a "
+                    "DRA attribute value); give the resource a shorter name to serve its NUMA pools through DRA"
+                )
             sets.append((set_device_name(extended, [s[0] for s in sets]), extended, r, local))
     in_sets = {n: sum(1 for s in sets if n in s[3]) for n in by_name}
     names = device_names({n: nic_key(v.nic) for n, v in by_name.items()}, reserved=[s[0] for s in sets])
