@@ -19,7 +19,7 @@ from conftest import ROOT, run_playbook
 
 sys.path.insert(0, str(ROOT / "plugin_src" / "tests"))
 import dra_support as ds
-from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_dra import pools, verdict
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_dra import nic_count_problem, pools, verdict
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -63,6 +63,32 @@ def test_verdicts_from_slices() -> None:
     assert not v["none"].ok and "no ResourceSlice of driver d" in v["none"].msg
 
 
+def test_nic_count_of_the_test_pod() -> None:
+    nic = {"attributes": {"rdmaDevice": {"string": "mlx5_0"}, "resource": {"string": "rdma/hca"}}}
+    devices = [
+        {"name": f"n{i}", "attributes": {**nic["attributes"], "sharing": {"string": "shared"}}} for i in range(4)
+    ]
+    devices += [
+        {"name": f"n{i}-x", "attributes": {**nic["attributes"], "sharing": {"string": "exclusive"}}} for i in range(4)
+    ]
+    devices.append({"name": "all-hca", "attributes": {"nicCount": {"int": 4}, "sharing": {"string": "set"}}})
+    view = pools([_slice("a", 1, 1, devices)])["a"]
+    assert view.published == {"rdma/hca": 4} and view.nics["all-hca"] == 4 and view.sets == {"all-hca"}
+    assert nic_count_problem("a", view, "rdma/hca", ["all-hca"], 4, "rdma_nic_count") == ""
+    assert nic_count_problem("a", view, "rdma/hca", ["n2-x"]) == ""  # exclusive mode: one NIC per unit
+    assert nic_count_problem("a", view, "rdma/hca", ["n1-x", "n2-x"]) == (
+        "the test pod got 2 NICs (n1-x, n2-x), 1 expected (one NIC per unit)"
+    )
+    assert nic_count_problem("a", view, "rdma/hca", ["all-hca"], 8, "validated on 2026-01-01") == (
+        "node a publishes 4 NICs of rdma/hca, 8 expected (validated on 2026-01-01): a NIC is missing or not "
+        "selected. Next: rdma-device-plugin discover on the node"
+    )
+    smaller = pools([_slice("a", 1, 1, [*devices[:3], devices[-1]])])["a"]  # the set counts 4, 3 published
+    assert "the test pod got 4 NICs (all-hca), 3 expected (every NIC of the node)" in nic_count_problem(
+        "a", smaller, "rdma/hca", ["all-hca"]
+    )
+
+
 @pytest.fixture(scope="module")
 def cluster_with_nodes() -> Iterator[tuple[ds.kube_cluster.Cluster, Path]]:
     ds.kube_bin()
@@ -72,7 +98,8 @@ def cluster_with_nodes() -> Iterator[tuple[ds.kube_cluster.Cluster, Path]]:
     try:
         api = ds.Api(cluster.kubeconfig)
         for obj in ds.chart_objects({"driver": "dra"}):
-            if obj["kind"] == "DeviceClass":
+            # The chart's admission policy too (Deny): the verify's test pod must pass it.
+            if obj["kind"] in ("DeviceClass", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
                 api.apply(obj)
         nodes.append(ds.DraNode(cluster, "d1", work / "d1", index=1).start_driver())
         nodes.append(ds.DraNode(cluster, "d2", work / "d2", index=2))  # joined, no driver
@@ -100,13 +127,18 @@ def _inventory(work: Path, cluster: ds.kube_cluster.Cluster, **extra: Any) -> Pa
         "plugin_verify_poll_interval": 1,
         **extra,
     }
-    doc = {"all": {"vars": group_vars, "children": {"rdma_nodes": {"hosts": {"d1": {}, "d2": {}}}}}}
+    hosts = {"d1": {"rdma_nic_count": 4}, "d2": {}}  # d1: the fixture's 4 NICs, what verify checks it publishes
+    doc = {"all": {"vars": group_vars, "children": {"rdma_nodes": {"hosts": hosts}}}}
     inv.write_text(yaml.safe_dump(doc))
     return inv
 
 
 def test_verify_judges_each_node_by_its_slices_and_a_test_claim(cluster_with_nodes: tuple[Any, Path]) -> None:
     cluster, work = cluster_with_nodes
+    api = ds.Api(cluster.kubeconfig)
+    # The chart's policy is in force: the test pod's former shape (no hostNetwork, no IPC_LOCK) is denied.
+    with pytest.raises(ds.kubeapi.ApiError, match=r"requests RDMA .* without hostNetwork: true"):
+        api.create(ds.pod("denied", "d1", limits={"rdma/hca": "1"}))
     inv = _inventory(
         work, cluster, plugin_verify_test_job=True, plugin_verify_test_job_image="registry.example.com/rdma/check:1"
     )
@@ -115,11 +147,10 @@ def test_verify_judges_each_node_by_its_slices_and_a_test_claim(cluster_with_nod
     assert run.returncode != 0, out
     verdicts = {h: json.loads((work / "out" / "verify" / "verdicts" / f"{h}.json").read_text()) for h in ("d1", "d2")}
     assert verdicts["d1"]["ok"], verdicts["d1"]
-    assert "test claim: rdma/hca 1 allocated d1/all-hca and prepared (pod Running)" in verdicts["d1"]["msg"]
+    assert "test claim: rdma/hca 1 allocated d1/all-hca (4 NICs) and prepared (pod Running)" in verdicts["d1"]["msg"]
     assert not verdicts["d2"]["ok"] and "node d2: no ResourceSlice of driver rdma.lingjun.io" in verdicts["d2"]["msg"]
     recap = dict(re.findall(r"^(d[12])\s+: ok=\d+.*?failed=(\d+)", out, flags=re.M))
     assert recap == {"d1": "0", "d2": "1"}, out  # each node host with its own verdict
-    api = ds.Api(cluster.kubeconfig)
     left = api.get("/api/v1/namespaces/default/pods", labelSelector="rdma.lingjun.io/dra-verify")["items"]
     assert not [p for p in left if not p["metadata"].get("deletionTimestamp")]  # the test pods are deleted
 

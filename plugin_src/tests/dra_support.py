@@ -265,6 +265,8 @@ class DraNode:
             self.fixture.sysfs,
             "--dev-root",
             self.fixture.dev,
+            "--procfs-root",
+            self.fixture.procfs,
             "--health-file",
             str(health),
             "--log-format",

@@ -16,9 +16,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +52,12 @@ from gpu_dra_stub import GpuDraStub
 
 from rdma_device_plugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from rdma_device_plugin.config import load_config_data
-from rdma_device_plugin.dra import kubeapi
+from rdma_device_plugin.dra import kubeapi, model
 from rdma_device_plugin.dra.kubeletplugin import Paths
+from rdma_device_plugin.dra.model import PCI_BUS_ID, PCIE_ROOT
+from rdma_device_plugin.health import NicHealth
 from rdma_device_plugin.resources import ResourcePool
+from rdma_node import fixtures, sysfs
 
 # Each test waits for the real scheduler and kubelet with its own generous deadlines; the module's
 # cluster and nodes start in the first test's setup.
@@ -60,6 +67,9 @@ NIC = f"nic.{DRIVER}"
 EXCLUSIVE = f"nic-exclusive.{DRIVER}"
 TEST_LABEL = "rdma.lingjun.io/dra-test"
 NICS = ["mlx5_bond_0", "mlx5_bond_1", "mlx5_bond_2", "mlx5_bond_3"]
+# Device names follow the PCI function (the fixture's 0000:1a:00.0, 0000:3a:00.0, ...), not mlx5_bond_N.
+DEV = {n: f"0000-{0x1A + 0x20 * i:02x}-00-0" for i, n in enumerate(NICS)}
+X = {n: d + "-x" for n, d in DEV.items()}  # the exclusive views
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +92,7 @@ def cluster(workdir: Path) -> Iterator[kube_cluster.Cluster]:
 @pytest.fixture(scope="module")
 def api(cluster: kube_cluster.Cluster) -> Api:
     a = Api(cluster.kubeconfig)
-    for obj in chart_objects({"driver": "dra"}):
+    for obj in chart_objects({"driver": "dra", "numaPools": True}):  # numaPools: its classes too
         if obj["kind"] == "DeviceClass":
             a.apply(obj)
     a.apply(
@@ -201,9 +211,9 @@ def attr(device: dict[str, Any], name: str) -> Any:
 def test_slices_published_and_republished_after_a_kubelet_restart(api: Api, shared: DraNode, objs: Objects) -> None:
     before = wait_for("slices", lambda: complete(api.slices(shared.name)))
     devices = slice_devices(before)
-    nics = [n.replace("_", "-") for n in NICS]
+    nics = [DEV[n] for n in NICS]
     assert set(devices) == {*nics, *(f"{n}-x" for n in nics), "all-hca"}
-    d = devices["mlx5-bond-2"]
+    d = devices[DEV["mlx5_bond_2"]]
     # What the fixture node's sysfs says about mlx5_bond_2: its PCI function, host bridge, NUMA node,
     # the two GPUs under its switch, its bond and the IPv6 RoCE v2 GID of its compute address.
     assert attr(d, "resource.kubernetes.io/pciBusID") == "0000:5a:00.0"
@@ -213,7 +223,7 @@ def test_slices_published_and_republished_after_a_kubelet_restart(api: Api, shar
     assert (attr(d, "rdmaDevice"), attr(d, "netdev"), attr(d, "linkLayer")) == ("mlx5_bond_2", "bond2", "Ethernet")
     assert attr(d, "gid") == "2408:4005:0300:0002:0000:0000:0000:0011" and attr(d, "gidIndex") == 3
     assert d["allowMultipleAllocations"] and d["capacity"]["slots"]["value"] == "1k"
-    assert "allowMultipleAllocations" not in devices["mlx5-bond-2-x"]
+    assert "allowMultipleAllocations" not in devices[X["mlx5_bond_2"]]
     assert attr(devices["all-hca"], "extendedResource") == "rdma/hca"
 
     uids = {s["metadata"]["uid"] for s in before}
@@ -281,7 +291,7 @@ def test_1000_shared_claims_on_one_nic_then_the_1001st_is_refused(api: Api, shar
     for p in range(pods):
         for i in range(per_pod):
             result = api.claim(f"s{p}-{i}")["status"]["allocation"]["devices"]["results"]
-            assert [r["device"] for r in result] == ["mlx5-bond-3"]
+            assert [r["device"] for r in result] == [DEV["mlx5_bond_3"]]
             consumed += int(result[0]["consumedCapacity"]["slots"])
     assert consumed == 1000
     assert len(shared.node.record("default", "share-7")["containers"]["c"]["cdi_devices"]) == per_pod  # type: ignore[index]
@@ -294,14 +304,14 @@ def test_1000_shared_claims_on_one_nic_then_the_1001st_is_refused(api: Api, shar
     # Refused for capacity alone: 50 shares freed, it gets its share.
     objs.delete_pod("share-0")
     wait_for("the 1001st claim allocated once shares were freed", lambda: running(api, "share-1001"), timeout=180)
-    assert allocated_devices(api, "s-1001") == ["mlx5-bond-3"]
+    assert allocated_devices(api, "s-1001") == [DEV["mlx5_bond_3"]]
 
 
 def test_an_exclusive_claim_never_shares_its_nic(api: Api, shared: DraNode, objs: Objects) -> None:
     objs.claim("x0", request("nic", EXCLUSIVE, nic_is("mlx5_bond_0")))
     objs.pod("x0", shared, ("x0",))
     wait_for("the exclusive claim's pod running", lambda: running(api, "x0"))
-    assert allocated_devices(api, "x0") == ["mlx5-bond-0-x"]
+    assert allocated_devices(api, "x0") == [X["mlx5_bond_0"]]
     # While it holds mlx5_bond_0: no share of it, and no rdma/hca pod (whose set holds every NIC).
     objs.claim("s0", request("nic", NIC, nic_is("mlx5_bond_0")))
     objs.pod("s0", shared, ("s0",))
@@ -320,7 +330,7 @@ def test_an_exclusive_claim_never_shares_its_nic(api: Api, shared: DraNode, objs
     objs.api.delete(claim("x0", []))
     wait_for("the share running", lambda: running(api, "s0"), timeout=180)
     wait_for("the rdma/hca pod running", lambda: running(api, "hca"), timeout=180)
-    assert allocated_devices(api, "s0") == ["mlx5-bond-0"]
+    assert allocated_devices(api, "s0") == [DEV["mlx5_bond_0"]]
     assert unschedulable(api, "x1")
 
 
@@ -363,7 +373,7 @@ def test_rdma_hca_pod_in_exclusive_mode_gets_one_nic(api: Api, exclusive: DraNod
     assert not set(got1) & set(got2)  # whole NICs: never the same one twice
     env, nodes = exclusive.got("hca-excl")
     nic = env["RDMA_DEVICES"]
-    assert nic in NICS and got1 == [nic.replace("_", "-") + "-x"]
+    assert nic in NICS and got1 == [X[nic]]
     assert env == _device_plugin_env(exclusive, "exclusive", [nic])
     assert len([n for n in nodes if "uverbs" in n]) == 1
     assert len(exclusive.got("hca-excl-2")[0]["RDMA_DEVICES"].split(",")) == 2
@@ -397,9 +407,9 @@ def test_a_nic_aligned_with_a_gpu_by_pcie_root(api: Api, shared: DraNode, gpus: 
     results = api.claim("aligned")["status"]["allocation"]["devices"]["results"]
     assert {r["request"]: (r["driver"], r["device"]) for r in results} == {
         "gpu": (GPU_DRIVER, "gpu-4"),
-        "nic": (DRIVER, "mlx5-bond-2"),
+        "nic": (DRIVER, DEV["mlx5_bond_2"]),
     }
-    assert allocated_devices(api, "unaligned") == ["mlx5-bond-0"]
+    assert allocated_devices(api, "unaligned") == [DEV["mlx5_bond_0"]]
     assert shared.got("aligned")[0]["RDMA_DEVICES"] == "mlx5_bond_2"
     assert [d.device for d in gpus.backend.prepared[api.claim("aligned")["metadata"]["uid"]]] == ["gpu-4"]
 
@@ -415,9 +425,9 @@ def test_nics_asked_by_numa_node_and_rate(api: Api, shared: DraNode, gpus: GpuDr
     objs.pod("numa1", shared, ("numa1",))
     objs.pod("numa-gpu", shared, ("numa-gpu",))
     wait_for("both pods running", lambda: running(api, "numa1") and running(api, "numa-gpu"))
-    assert allocated_devices(api, "numa1")[0] in ("mlx5-bond-2", "mlx5-bond-3")
+    assert allocated_devices(api, "numa1")[0] in (DEV["mlx5_bond_2"], DEV["mlx5_bond_3"])
     nic = [r for r in api.claim("numa-gpu")["status"]["allocation"]["devices"]["results"] if r["request"] == "nic"]
-    assert nic[0]["device"] in ("mlx5-bond-0-x", "mlx5-bond-1-x")
+    assert nic[0]["device"] in (X["mlx5_bond_0"], X["mlx5_bond_1"])
     slow = f'device.attributes["{DRIVER}"].rateGbps >= 400'
     objs.claim("too-slow", request("nic", NIC, slow))
     objs.pod("too-slow", shared, ("too-slow",))
@@ -438,10 +448,10 @@ def test_a_nic_going_down_stops_new_allocations(api: Api, shared: DraNode, objs:
     wait_for("the holder running", lambda: running(api, "holder"))
     shared.fixture.set_port_state("mlx5_bond_1", "DOWN")
     try:
-        taints = wait_for("mlx5_bond_1 tainted", lambda: (t := _taints(api, shared))["mlx5-bond-1"] and t)
-        assert taints["mlx5-bond-1"] == taints["mlx5-bond-1-x"] == ["port-down"]
+        taints = wait_for("mlx5_bond_1 tainted", lambda: (t := _taints(api, shared)).get(DEV["mlx5_bond_1"]) and t)
+        assert taints[DEV["mlx5_bond_1"]] == taints[X["mlx5_bond_1"]] == ["port-down"]
         assert taints["all-hca"] == ["port-down"]  # health.policy all: the set is unhealthy with one NIC down
-        assert taints["mlx5-bond-0"] == []
+        assert taints[DEV["mlx5_bond_0"]] == []
         objs.claim("late", request("nic", NIC, nic_is("mlx5_bond_1")))
         objs.pod("late", shared, ("late",))
         objs.claim("other", request("nic", NIC, nic_is("mlx5_bond_0")))
@@ -548,12 +558,16 @@ def test_prepare_names_a_nic_that_is_down_or_vanished(api: Api, exclusive: DraNo
     exclusive.fixture.set_port_state("mlx5_bond_2", "DOWN")
     exclusive.fixture.remove_nic("mlx5_bond_3")
     try:
-        wait_for("both NICs tainted", lambda: (t := _taints(api, exclusive))["mlx5-bond-2-x"] and t["mlx5-bond-3-x"])
-        assert _taints(api, exclusive)["mlx5-bond-3-x"] == ["gone"]
+        # .get: between two writes of a republish the newest generation is incomplete (no devices read)
+        wait_for(
+            "both NICs tainted",
+            lambda: (t := _taints(api, exclusive)).get(X["mlx5_bond_2"]) and t.get(X["mlx5_bond_3"]),
+        )
+        assert _taints(api, exclusive)[X["mlx5_bond_3"]] == ["gone"]
         down = _prepare(exclusive, down_uid, "down")
         gone = _prepare(exclusive, gone_uid, "gone")
-        assert "NIC mlx5_bond_2 (device mlx5-bond-2-x) is not usable: port 1 DOWN (not ACTIVE)" in down.error
-        assert "NIC mlx5_bond_3 (device mlx5-bond-3-x) is not usable: NIC gone from sysfs" in gone.error
+        assert f"NIC mlx5_bond_2 (device {X['mlx5_bond_2']}) is not usable: port 1 DOWN (not ACTIVE)" in down.error
+        assert f"NIC mlx5_bond_3 (device {X['mlx5_bond_3']}) is not usable: NIC gone from sysfs" in gone.error
         assert not down.devices and not gone.devices
     finally:
         exclusive.fixture.set_port_state("mlx5_bond_2", "ACTIVE")
@@ -857,3 +871,350 @@ def _denied_dry_run(client: kubeapi.Client, name: str) -> bool:
     except kubeapi.ApiError as exc:
         return exc.code == 403
     return False
+
+
+# ------------------------------------------------------------------ the last line of defence
+
+
+def _device(api: Api, node: DraNode, nic: str, view: str) -> str:
+    """The published device of ``nic`` (its RDMA device name) in ``view`` (shared | exclusive)."""
+    devices = slice_devices(complete(api.slices(node.name)) or [])
+    (name,) = [
+        n
+        for n, d in devices.items()
+        if d["attributes"].get("rdmaDevice", {}).get("string") == nic and attr(d, "sharing") == view
+    ]
+    return name
+
+
+def _write_allocation(api: Api, name: str, node: DraNode, *devices: str, pod_name: str = "") -> dict[str, Any]:
+    """Allocate claim ``name`` as an admin would: ``devices`` written to its status directly, no
+    scheduler (and none of its counters) involved; reserved for pod ``pod_name`` when given. A device
+    of a shared view gets a share."""
+    published = slice_devices(complete(api.slices(node.name)) or [])
+    results = []
+    for d in devices:
+        r: dict[str, Any] = {"request": "nic", "driver": DRIVER, "pool": node.name, "device": d}
+        if published[d].get("allowMultipleAllocations"):
+            r["shareID"] = str(uuid.uuid4())
+        results.append(r)
+    obj = api.claim(name)
+    on_node = [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node.name]}]}]
+    obj["status"] = {
+        "allocation": {"devices": {"results": results}, "nodeSelector": {"nodeSelectorTerms": on_node}}
+        if devices
+        else None
+    }
+    if pod_name:
+        uid = (api.pod(pod_name) or {})["metadata"]["uid"]
+        obj["status"]["reservedFor"] = [{"resource": "pods", "name": pod_name, "uid": uid}]
+    return api.client.update(f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{name}/status", obj)
+
+
+def _boot_id(node: DraNode) -> str:
+    return Path(node.fixture.procfs, "sys/kernel/random/boot_id").read_text().strip()
+
+
+def _events(api: Api, pod_name: str, reason: str) -> list[str]:
+    found = api.get(
+        "/api/v1/namespaces/default/events", fieldSelector=f"involvedObject.name={pod_name},reason={reason}"
+    )
+    return [str(e.get("message", "")) for e in found["items"]]
+
+
+def test_prepare_refuses_a_nic_prepared_for_another_claim_in_a_conflicting_view(
+    api: Api, exclusive: DraNode, objs: Objects
+) -> None:
+    """Allocations written around the scheduler (claims' status and pods' nodeName, as an admin
+    would): mlx5_bond_1 exclusive to one claim and shared with another. The kubelet prepares the
+    first; the second is refused naming both claims, and prepared once the first is gone."""
+    whole, share = _device(api, exclusive, "mlx5_bond_1", "exclusive"), _device(api, exclusive, "mlx5_bond_1", "shared")
+    for name, device in (("adm-x", whole), ("adm-s", share)):
+        objs.claim(name, request("nic", NIC if device == share else EXCLUSIVE, nic_is("mlx5_bond_1")))
+        obj = pod(name, exclusive.name, (name,), grace=0)
+        obj["spec"]["nodeName"] = exclusive.name  # no scheduler: the pod is bound as written
+        api.create(obj)
+        objs.pods.append(obj)
+        _write_allocation(api, name, exclusive, device, pod_name=name)
+        if name == "adm-x":
+            wait_for("the exclusive claim's pod running", lambda: running(api, "adm-x"))
+    refused = lambda: [m for m in _events(api, "adm-s", "FailedPrepareDynamicResources") if "already prepared" in m]  # noqa: E731
+    message = wait_for("the share refused", refused)[0]  # (before its reservation: "not allowed to use")
+    x_uid = api.claim("adm-x")["metadata"]["uid"]
+    assert "claim default/adm-s: NIC mlx5_bond_1 (0000:3a:00.0) is already prepared for claim default/adm-x" in message
+    assert f"(UID {x_uid}) as its exclusive device {whole}; this claim's shared device {share} cannot" in message
+    assert not running(api, "adm-s")
+    s_uid = api.claim("adm-s")["metadata"]["uid"]
+    assert not (exclusive.cdi_dir / f"{DRIVER}-claim_{s_uid}.json").exists()
+    # Refused for the conflict alone: the exclusive holder gone (unprepared), the share is prepared.
+    objs.delete_pod("adm-x")
+    wait_for("the share's pod running once the NIC is free", lambda: running(api, "adm-s"), timeout=180)
+    assert exclusive.got("adm-s")[0]["RDMA_DEVICES"] == "mlx5_bond_1"
+
+
+def test_a_cached_answer_only_for_the_same_allocation(api: Api, exclusive: DraNode, objs: Objects) -> None:
+    """Concurrent prepares of one claim write it once; deallocated and allocated again under the same
+    UID, prepare answers the new allocation."""
+    objs.claim("realloc", request("nic", EXCLUSIVE))
+    first, second = (_device(api, exclusive, nic, "exclusive") for nic in ("mlx5_bond_0", "mlx5_bond_1"))
+    _write_allocation(api, "realloc", exclusive, first)
+    uid = api.claim("realloc")["metadata"]["uid"]
+    cdi = exclusive.cdi_dir / f"{DRIVER}-claim_{uid}.json"
+    try:
+        # 16 prepares of the claim sent at once over one connection: one writes the spec, the others
+        # get its answer.
+        sock = exclusive.endpoint
+        with grpc.insecure_channel(f"unix://{sock}") as ch:
+            stub = dra_v1_pb2_grpc.DRAPluginStub(ch)
+            req = dra_v1_pb2.NodeUnprepareResourcesRequest(claims=[dra_v1_pb2.Claim(uid=str(uuid.uuid4()))])
+            stub.NodeUnprepareResources(req, timeout=30)  # connected: the 16 calls below start together
+            start = threading.Barrier(16)
+
+            def prepare(_: int) -> list[tuple[str, ...]]:
+                one = dra_v1_pb2.Claim(namespace="default", uid=uid, name="realloc")
+                start.wait()
+                answer = stub.NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(claims=[one]), timeout=30)
+                return _devices(answer.claims[uid])
+
+            with ThreadPoolExecutor(16) as pool:
+                answers = list(pool.map(prepare, range(16)))
+        assert len(set(map(tuple, answers))) == 1 and answers[0][0][1] == first
+        logged = [r for r in exclusive.log_lines() if r.get("msg") == "claim prepared" and r.get("uid") == uid]
+        assert len(logged) == 1
+        assert [d.device_name for d in _prepare(exclusive, uid, "realloc").devices] == [first]  # cached
+        _write_allocation(api, "realloc", exclusive)
+        _write_allocation(api, "realloc", exclusive, second)
+        assert [d.device_name for d in _prepare(exclusive, uid, "realloc").devices] == [second]
+        assert "RDMA_DEVICES=mlx5_bond_1" in json.loads(cdi.read_text())["containerEdits"]["env"]
+    finally:
+        _unprepare(exclusive, uid, "realloc")
+
+
+def test_claim_uid_and_name_never_reach_beyond_their_file_and_url(api: Api, exclusive: DraNode, objs: Objects) -> None:
+    """Issue 39 item 5: a ``../`` UID names no file (the call fails, the target stays), and a name
+    with ``?`` names no other claim (escaped in the URL, not cut there)."""
+    victim = exclusive.kubelet_dir / "victim.json"  # <state-dir>/claims/../../../victim.json
+    victim.write_text("{}")
+    for uid in ("../../../victim", "../../../../var/lib/kubelet/victim"):
+        answer = _unprepare(exclusive, uid, "x")
+        assert f"claim UID {uid!r} is not a Kubernetes UID" in answer.error
+        assert "is not a Kubernetes UID" in _prepare(exclusive, uid, "x").error
+    assert victim.read_text() == "{}"
+
+    objs.claim("plain", request("nic", EXCLUSIVE))
+    _write_allocation(api, "plain", exclusive, _device(api, exclusive, "mlx5_bond_0", "exclusive"))
+    uid = api.claim("plain")["metadata"]["uid"]
+    answer = _prepare(exclusive, uid, "plain?pretty=1")  # unescaped, this would read claim "plain"
+    assert "claim default/plain?pretty=1: reading it from the API server failed (404" in answer.error
+    assert not answer.devices and not (exclusive.cdi_dir / f"{DRIVER}-claim_{uid}.json").exists()
+
+
+def test_records_survive_a_restart_are_dropped_by_a_reboot_and_orphans_are_collected(
+    api: Api, exclusive: DraNode, objs: Objects
+) -> None:
+    objs.claim("kept", request("nic", EXCLUSIVE))
+    _write_allocation(api, "kept", exclusive, _device(api, exclusive, "mlx5_bond_0", "exclusive"))
+    objs.claim("deleted", request("nic", EXCLUSIVE))
+    _write_allocation(api, "deleted", exclusive, _device(api, exclusive, "mlx5_bond_1", "exclusive"))
+    kept, deleted = api.claim("kept")["metadata"]["uid"], api.claim("deleted")["metadata"]["uid"]
+    records = exclusive.state_dir / "claims"
+    try:
+        assert not _prepare(exclusive, kept, "kept").error and not _prepare(exclusive, deleted, "deleted").error
+        exclusive.stop_driver()
+        api.delete(claim("deleted", []))  # gone while the driver was down: the kubelet never unprepares it
+        stray = exclusive.cdi_dir / f"{DRIVER}-claim_{uuid.uuid4()}.json"  # a spec without a record
+        stray.write_text("{}")
+        cut_short, in_flight = exclusive.cdi_dir / ".tmp-old.json", exclusive.cdi_dir / ".tmp-new.json"
+        for tmp in (cut_short, in_flight):
+            tmp.write_text("{")
+        os.utime(cut_short, (time.time() - 120, time.time() - 120))  # a write cut short 2 minutes ago
+        mtime = (exclusive.cdi_dir / f"{DRIVER}-claim_{kept}.json").stat().st_mtime_ns
+        exclusive.start_driver()
+        wait_for(
+            "the deleted claim's record and spec, the stray spec and the old temp file collected",
+            lambda: (
+                not (records / f"{deleted}.json").exists()
+                and not (exclusive.cdi_dir / f"{DRIVER}-claim_{deleted}.json").exists()
+                and not stray.exists()
+                and not cut_short.exists()
+            ),
+        )
+        assert in_flight.exists()  # maybe the device plugin's spec being written: left alone
+        in_flight.unlink()
+        # The restart kept the live claim's record: the answer comes without writing the spec.
+        assert (records / f"{kept}.json").exists()
+        answer = wait_for("prepare after the restart", lambda: _retry_prepare(exclusive, kept, "kept"))
+        assert not answer.error
+        assert (exclusive.cdi_dir / f"{DRIVER}-claim_{kept}.json").stat().st_mtime_ns == mtime
+        # A reboot (a new boot ID): nothing prepared before it holds.
+        exclusive.stop_driver()
+        exclusive.fixture.reboot()
+        exclusive.start_driver()
+        wait_for("the driver serving again", lambda: _retry_prepare(exclusive, kept, "kept") is not None)
+        assert json.loads((records / f"{kept}.json").read_text())["boot"] == _boot_id(exclusive)
+        assert (exclusive.cdi_dir / f"{DRIVER}-claim_{kept}.json").stat().st_mtime_ns != mtime
+    finally:
+        _unprepare(exclusive, kept, "kept")
+
+
+# ------------------------------------------------------------------ names that survive a reboot
+
+
+def _reboot_with(node: DraNode, spec: fixtures.NodeSpec) -> None:
+    """The node reboots into ``spec`` (a new boot ID): the driver stopped, the fixture rewritten."""
+    node.stop_driver()
+    node.fixture = fixtures.write_node(str(node.root / "fx"), spec)
+    node.start_driver()
+
+
+def test_device_names_and_alignment_do_not_move_when_the_kernel_renames_nics(
+    api: Api, exclusive: DraNode, objs: Objects
+) -> None:
+    """A reboot gives mlx5_bond_0 and mlx5_bond_2 each other's names (probe order). The claim keeps
+    its device, the device keeps its PCI function and pcieRoot, and prepare hands out that function."""
+    spec = fixtures.lingjun_node(nics=4)
+    _reboot_with(exclusive, spec)  # all four NICs (an earlier test removed one, a restart forgot it)
+    wait_for("the four NICs published", lambda: len(slice_devices(complete(api.slices(exclusive.name)) or [])) == 9)
+    objs.claim("stable", request("nic", EXCLUSIVE, nic_is("mlx5_bond_0")))
+    objs.pod("stable", exclusive, ("stable",), grace=0)
+    wait_for("the pod running", lambda: running(api, "stable"))
+    (device,) = allocated_devices(api, "stable")
+    uid = api.claim("stable")["metadata"]["uid"]
+    before = slice_devices(complete(api.slices(exclusive.name)) or [])
+    where = (attr(before[device], PCI_BUS_ID), attr(before[device], PCIE_ROOT))
+    assert device == X["mlx5_bond_0"] and where == ("0000:1a:00.0", "pci0000:15")
+    _, nodes_before = exclusive.got("stable")
+    swap = {"mlx5_bond_0": "mlx5_bond_2", "mlx5_bond_2": "mlx5_bond_0"}
+    renamed = replace(spec, nics=tuple(replace(n, name=swap.get(n.name, n.name)) for n in spec.nics))
+    try:
+        _reboot_with(exclusive, renamed)
+
+        def republished() -> dict[str, dict[str, Any]] | None:
+            now = slice_devices(complete(api.slices(exclusive.name)) or [])
+            return now if now and attr(now[device], "rdmaDevice") == "mlx5_bond_2" else None
+
+        after = wait_for("the slices of the renamed NICs", republished)
+        assert set(after) == set(before)
+        assert (attr(after[device], PCI_BUS_ID), attr(after[device], PCIE_ROOT)) == where
+        assert {n: attr(d, PCI_BUS_ID) for n, d in after.items() if PCI_BUS_ID in d["attributes"]} == {
+            n: attr(d, PCI_BUS_ID) for n, d in before.items() if PCI_BUS_ID in d["attributes"]
+        }
+        assert allocated_devices(api, "stable") == [device]
+        # The kubelet prepares the claim again after a reboot: the same PCI function, by its new name.
+        answer = wait_for("prepare after the reboot", lambda: _retry_prepare(exclusive, uid, "stable"))
+        assert not answer.error and [d.device_name for d in answer.devices] == [device]
+        env, nodes = exclusive.got("stable")
+        assert env["RDMA_DEVICES"] == "mlx5_bond_2" and sorted(nodes) == sorted(nodes_before)
+    finally:
+        _reboot_with(exclusive, spec)
+        wait_for(
+            "the slices of the original names",
+            lambda: (
+                attr(slice_devices(complete(api.slices(exclusive.name)) or [])[device], "rdmaDevice") == "mlx5_bond_0"
+            ),
+        )
+
+
+def test_a_61_character_resource_name_makes_slices_the_api_accepts(api: Api, shared: DraNode) -> None:
+    """all-<resource> of a 61-character short name would be 65 characters: cut to a valid name, the
+    slices are accepted by the real API server's validation (the whole name, 63 characters, fits an
+    attribute; a longer one is refused by the driver: test_dra_model)."""
+    resource = "a/" + "r" * 61
+    nics = sysfs.read_nics(shared.fixture.sysfs, shared.fixture.dev)
+    views = [model.NicView(n, NicHealth(True, ("ACTIVE",)), resource) for n in nics]
+    pub = model.build("long.example.com", "n-long", "shared", [model.ResourceView(resource, 10, "all")], views, {})
+    (whole,) = [d["name"] for d in pub.devices["devices"] if "nicCount" in d["attributes"]]
+    assert len(whole) == 63 and whole.startswith("all-rrr")
+    created = []
+    try:
+        for spec in (pub.counters, pub.devices):
+            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"generateName": "long-"}}
+            created.append(api.client.create(SLICES, {**body, "spec": spec})["metadata"]["name"])
+        got = slice_devices(api.get(SLICES, fieldSelector="spec.driver=long.example.com")["items"])
+        assert whole in got and len(got) == 2 * len(nics) + 1
+    finally:
+        for name in created:
+            api.client.delete(f"{SLICES}/{name}")
+
+
+# ------------------------------------------------------------------ 33 NICs, 8 rails
+
+
+@pytest.fixture(scope="module")
+def many(cluster: kube_cluster.Cluster, api: Api, workdir: Path) -> Iterator[DraNode]:
+    """A node with 33 NICs (mlx5_0 .. mlx5_16 on NUMA node 0, the rest on 1): more than one counter set
+    holds. Shared mode with numaPools: rdma/hca-numa<N> served through DRA too."""
+    numa_pools = {"resources": [{"name": "rdma/hca", "numaPools": True}]}
+    spec = fixtures.many_nics_node(33)
+    n = DraNode(cluster, "n3", workdir / "n3", index=3, spec=spec, config=numa_pools).start_driver()
+    try:
+        wait_for("n3's ResourceSlices", lambda: complete(api.slices("n3")))
+        yield n
+    finally:
+        n.close()
+
+
+def test_33_nics_are_published_and_allocated(api: Api, many: DraNode, objs: Objects) -> None:
+    slices = wait_for("n3's slices", lambda: complete(api.slices(many.name)))
+    assert sorted(s["metadata"]["labels"]["rdma.lingjun.io/slice"] for s in slices) == [
+        "counters",
+        "devices",
+        "devices-1",
+    ]
+    devices = slice_devices(slices)
+    assert len(devices) == 2 * 33 + 3  # two views per NIC, every NIC as a set, each NUMA node's NICs as a set
+    # An rdma/hca pod (shared mode: the set of every NIC) gets all 33.
+    objs.pod("hca-33", many, limits={"rdma/hca": "1"}, grace=0)
+    wait_for("the rdma/hca pod running", lambda: running(api, "hca-33"))
+    env, nodes = many.got("hca-33")
+    assert sorted(env["RDMA_DEVICES"].split(",")) == sorted(f"mlx5_{i}" for i in range(33))
+    assert len([n for n in nodes if "uverbs" in n]) == 33
+    # mlx5_32's counter is in the second counter set: its exclusive view waits for the set's share.
+    objs.claim("x-32", request("nic", EXCLUSIVE, nic_is("mlx5_32")))
+    objs.pod("x-32", many, ("x-32",))
+    assert "cannot allocate all claims" in wait_for("the exclusive claim refused", lambda: unschedulable(api, "x-32"))
+    objs.delete_pod("hca-33")
+    wait_for("the exclusive claim's pod running", lambda: running(api, "x-32"), timeout=180)
+    assert allocated_devices(api, "x-32") == [_device(api, many, "mlx5_32", "exclusive")]
+
+
+def test_an_8_rail_pod_gets_every_nic_in_one_env(api: Api, many: DraNode, objs: Objects) -> None:
+    """8 claims of one NIC each in one container (as 8 GPU+NIC rails): the env names all 8 NICs,
+    exactly as the device plugin's env for those 8 NICs, whichever claim's CDI spec is applied last."""
+    rails = [f"mlx5_{i}" for i in range(8)]
+    names = tuple(objs.claim(f"rail-{i}", request("nic", EXCLUSIVE, nic_is(n))) for i, n in enumerate(rails))
+    objs.pod("rails", many, names)
+    wait_for("the 8-rail pod running", lambda: running(api, "rails"))
+    env, nodes = many.got("rails")
+    assert sorted(env["RDMA_DEVICES"].split(",")) == sorted(rails)
+    assert all(n in env["NCCL_IB_HCA"] for n in rails)
+    assert env == _device_plugin_env(many, "exclusive", rails)
+    assert len([n for n in nodes if "uverbs" in n]) == 8
+    # Each claim's spec alone carries that env (what a runtime keeps whatever the order).
+    for name in names:
+        uid = api.claim(name)["metadata"]["uid"]
+        spec = json.loads((many.cdi_dir / f"{DRIVER}-claim_{uid}.json").read_text())
+        assert dict(kv.split("=", 1) for kv in spec["containerEdits"]["env"]) == env
+
+
+def test_containers_with_different_nics_through_one_claim_are_refused(api: Api, many: DraNode, objs: Objects) -> None:
+    objs.claim("both-a", request("nic", EXCLUSIVE, nic_is("mlx5_10")))
+    objs.claim("both-b", request("nic", EXCLUSIVE, nic_is("mlx5_11")))
+    obj = pod("two-sets", many.name, ("both-a", "both-b"), grace=0)
+    first = obj["spec"]["containers"][0]
+    obj["spec"]["containers"].append({**first, "name": "d", "resources": {"claims": [{"name": "c0"}]}})
+    api.create(obj)
+    objs.pods.append(obj)
+    message = wait_for("the claim refused", lambda: _events(api, "two-sets", "FailedPrepareDynamicResources"))[0]
+    assert "claim default/both-a is used by containers that hold different sets of rdma.lingjun.io NICs" in message
+    assert "two-sets/c: mlx5_10, mlx5_11; two-sets/d: mlx5_10" in message
+
+
+def test_numa_pools_through_dra(api: Api, many: DraNode, objs: Objects) -> None:
+    """A device-plugin pod asking rdma/hca-numa1 (numaPools) runs on a DRA node with NUMA node 1's NICs."""
+    objs.pod("numa1-pod", many, limits={"rdma/hca-numa1": "1"}, grace=0)
+    p = wait_for("the rdma/hca-numa1 pod running", lambda: running(api, "numa1-pod"))
+    claim_name = p["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+    assert allocated_devices(api, claim_name) == ["all-hca-numa1"]
+    env, _ = many.got("numa1-pod")
+    assert sorted(env["RDMA_DEVICES"].split(",")) == sorted(f"mlx5_{i}" for i in range(17, 33))

@@ -5,6 +5,7 @@ test_dra_cluster.py."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -27,14 +28,69 @@ def views(tmp_path: object, nics: int = 4, down: tuple[str, ...] = ()) -> list[m
 
 
 def test_device_names_are_dns_labels_unique_and_stable() -> None:
-    names = model.device_names(["mlx5_bond_0", "MLX5-bond-0", "mlx5_0", "roce\\xff0", "\\xfe", "a-x", "a"])
-    assert names["mlx5_bond_0"] == "mlx5-bond-0" and names["mlx5_0"] == "mlx5-0"
+    keys = {n: n for n in ["mlx5_bond_0", "MLX5-bond-0", "mlx5_0", "roce\\xff0", "\\xfe", "a-x", "a"]}
+    keys["mlx5_9"] = "0000:5a:00.0"
+    names = model.device_names(keys)
+    assert names["mlx5_bond_0"] == "mlx5-bond-0" and names["mlx5_0"] == "mlx5-0" and names["mlx5_9"] == "0000-5a-00-0"
     assert all(DNS_LABEL.fullmatch(n) for n in names.values())
     labels = list(names.values())
     # Unique, also against every NIC's exclusive view (<name>-x): "a-x" must not be "a"'s exclusive view.
     assert len(set(labels) | {n + model.EXCLUSIVE_SUFFIX for n in labels}) == 2 * len(labels)
-    assert model.device_names(["MLX5-bond-0", "mlx5_bond_0"]) == {k: names[k] for k in ("MLX5-bond-0", "mlx5_bond_0")}
-    assert model.device_names(["all_hca"], reserved=["all-hca"])["all_hca"] != "all-hca"
+    two = {"MLX5-bond-0": "MLX5-bond-0", "mlx5_bond_0": "mlx5_bond_0"}
+    assert model.device_names(two) == {k: names[k] for k in two}
+    assert model.device_names({"all_hca": "all_hca"}, reserved=["all-hca"])["all_hca"] != "all-hca"
+
+
+def test_device_names_follow_the_pci_function_not_the_kernel_name(tmp_path: object) -> None:
+    """A reboot that gives mlx5_bond_0 and mlx5_bond_2 each other's names (probe order): every device
+    name still stands for the same PCI function, with the same pcieRoot, and the slices are the same
+    but for the rdmaDevice (and netdev) attributes."""
+    r = [model.ResourceView("rdma/hca", 10, "all")]
+    before = model.build("d.example.com", "n", "shared", r, views(tmp_path), {})
+    renamed = {"mlx5_bond_0": "mlx5_bond_2", "mlx5_bond_2": "mlx5_bond_0"}
+    after_views = [
+        model.NicView(replace(v.nic, name=renamed.get(v.nic.name, v.nic.name)), v.health, v.resource, v.pcie_root)
+        for v in views(tmp_path)
+    ]
+    after = model.build("d.example.com", "n", "shared", r, after_views, {})
+
+    def by_device(pub: model.Published) -> dict[str, tuple[str, str, str]]:
+        return {
+            d["name"]: (
+                d["attributes"][model.PCI_BUS_ID]["string"],
+                d["attributes"][model.PCIE_ROOT]["string"],
+                d["attributes"]["rdmaDevice"]["string"],
+            )
+            for d in pub.all_devices()
+            if model.PCI_BUS_ID in d["attributes"]
+        }
+
+    b, a = by_device(before), by_device(after)
+    assert b["0000-1a-00-0"][:2] == a["0000-1a-00-0"][:2] == ("0000:1a:00.0", "pci0000:00")
+    assert (b["0000-1a-00-0"][2], a["0000-1a-00-0"][2]) == ("mlx5_bond_0", "mlx5_bond_2")
+    assert {k: v[:2] for k, v in b.items()} == {k: v[:2] for k, v in a.items()}
+    assert after.refs["0000-1a-00-0-x"].nics == ("mlx5_bond_2",)  # prepare hands out the NIC by its new name
+    assert [d["name"] for d in before.all_devices()] == [d["name"] for d in after.all_devices()]
+    assert before.counters == after.counters
+
+
+def test_the_set_device_name_stays_a_dns_label() -> None:
+    long = "example.com/" + "r" * 61  # a 61-character resource name: "all-" + 61 is 65 characters
+    name = model.set_device_name(long)
+    assert DNS_LABEL.fullmatch(name) and len(name) == 63 and name.startswith("all-rrrr")
+    assert model.set_device_name(long) == name  # stable
+    assert model.set_device_name("b.example.com/hca", taken=["all-hca"]) not in ("all-hca", name)
+    assert model.set_device_name("rdma/hca") == "all-hca"
+
+
+def test_a_resource_name_longer_than_an_attribute_is_refused_by_name(tmp_path: object) -> None:
+    long = "example.com/" + "r" * 61  # 73 characters: the resource attributes hold 64
+    with pytest.raises(ValueError, match=r"resource name\(s\) \['example.com/r+'\] longer than 64 characters"):
+        model.build("d.example.com", "n", "shared", [model.ResourceView(long, 10, "all")], views(tmp_path), {})
+    numa = "example.com/" + "r" * 50  # 62 characters, but <it>-numa0 is 68
+    mine = [replace(v, resource=numa) for v in views(tmp_path)]
+    with pytest.raises(ValueError, match="-numa0 is longer than 64 characters"):
+        model.build("d.example.com", "n", "shared", [model.ResourceView(numa, 10, "all", True)], mine, {})
 
 
 @pytest.mark.parametrize(
@@ -65,15 +121,15 @@ def test_counters_keep_the_views_of_a_nic_apart(tmp_path: object) -> None:
     assert pub.counters is not None
     counters = pub.counters["sharedCounters"][0]["counters"]
     devices = {d["name"]: d for d in pub.devices["devices"]}
-    assert counters == {f"mlx5-bond-{i}": {"value": "2"} for i in range(4)}  # its shared view + the set
-    for i in range(4):
-        nic = f"mlx5-bond-{i}"
+    nics = [f"0000-{0x1A + 0x20 * i:02x}-00-0" for i in range(4)]  # the PCI functions of mlx5_bond_0..3
+    assert counters == {nic: {"value": "2"} for nic in nics}  # its shared view + the set
+    for nic in nics:
         (shared,) = devices[nic]["consumesCounters"]
         (excl,) = devices[nic + "-x"]["consumesCounters"]
         assert shared["counters"] == {nic: {"value": "1"}} and devices[nic]["allowMultipleAllocations"]
         assert excl["counters"] == {nic: {"value": "2"}} and "allowMultipleAllocations" not in devices[nic + "-x"]
     (whole,) = devices["all-hca"]["consumesCounters"]
-    assert whole["counters"] == {f"mlx5-bond-{i}": {"value": "1"} for i in range(4)}
+    assert whole["counters"] == {nic: {"value": "1"} for nic in nics}
     assert pub.devices["pool"] == pub.counters["pool"] == {"name": "node-a", "generation": 1, "resourceSliceCount": 2}
     assert pub.refs["all-hca"].nics == tuple(f"mlx5_bond_{i}" for i in range(4))
 
@@ -82,7 +138,7 @@ def test_counters_keep_the_views_of_a_nic_apart(tmp_path: object) -> None:
 def test_the_mode_decides_which_view_serves_the_extended_resource(tmp_path: object, mode: str) -> None:
     pub = model.build("d.example.com", "n", mode, [model.ResourceView("rdma/hca", 10, "all")], views(tmp_path), {})
     serving = sorted(d["name"] for d in pub.devices["devices"] if "extendedResource" in d["attributes"])
-    expected = ["all-hca"] if mode == "shared" else [f"mlx5-bond-{i}-x" for i in range(4)]
+    expected = ["all-hca"] if mode == "shared" else [f"0000-{0x1A + 0x20 * i:02x}-00-0-x" for i in range(4)]
     assert serving == expected
 
 
@@ -98,20 +154,68 @@ def test_a_nic_down_taints_its_views_and_the_set_by_policy(tmp_path: object) -> 
             "effect": "NoSchedule",
             "timeAdded": since["mlx5_bond_1"],
         }
-        assert taints["mlx5-bond-1"] == taints["mlx5-bond-1-x"] == [bad]
-        assert taints["mlx5-bond-0"] == []
+        assert taints["0000-3a-00-0"] == taints["0000-3a-00-0-x"] == [bad]  # mlx5_bond_1
+        assert taints["0000-1a-00-0"] == []
         assert bool(taints["all-hca"]) is set_tainted
-        assert pub.health["mlx5-bond-1"] == (False, "port 1 DOWN (not ACTIVE)")
+        assert pub.health["0000-3a-00-0"] == (False, "port 1 DOWN (not ACTIVE)")
 
 
-def test_too_many_nics_is_a_clear_error_and_no_nic_publishes_an_empty_pool(tmp_path: object) -> None:
-    many = views(tmp_path, nics=4) * 9  # 36 views
-    many = [
-        model.NicView(v.nic.__class__(**{**v.nic.__dict__, "name": f"n{i}"}), v.health, v.resource)
-        for i, v in enumerate(many)
-    ]
-    with pytest.raises(ValueError, match="at most 32"):
-        model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, "all")], many, {})
+def test_33_nics_take_two_counter_sets_and_two_device_slices(tmp_path: object) -> None:
+    """More NICs than a counter set holds (32): the pool gets a counter set per 32 NICs and a devices
+    slice per 64 devices, each within the API's limits, and every NIC's views count against its NIC."""
+    node = fixtures.write_node(str(tmp_path), fixtures.many_nics_node(33))
+    found = sysfs.read_nics(node.sysfs, node.dev)
+    vs = [model.NicView(n, NicHealth(True, ("ACTIVE",)), "rdma/hca") for n in found]
+    pub = model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, "all")], vs, {})
+    specs = pub.specs()
+    assert sorted(specs) == ["counters", "devices", "devices-1"]
+    assert all(s["pool"]["resourceSliceCount"] == 3 for s in specs.values())
+    assert pub.counters is not None
+    sets = {cs["name"]: cs["counters"] for cs in pub.counters["sharedCounters"]}
+    assert sorted(sets) == ["nics", "nics-1"] and [len(c) for c in sets.values()] == [32, 1]
+    devices = pub.all_devices()
+    assert len(devices) == 2 * 33 + 1 and [len(specs[k]["devices"]) for k in ("devices", "devices-1")] == [64, 3]
+    counted = {name for c in sets.values() for name in c}
+    for d in devices:
+        assert DNS_LABEL.fullmatch(d["name"])
+        for use in d["consumesCounters"]:
+            assert set(use["counters"]) <= set(sets[use["counterSet"]])  # counted in the set it names
+    (whole,) = [d for d in devices if d["name"] == "all-hca"]
+    assert (
+        len(whole["consumesCounters"]) == 2 and {n for u in whole["consumesCounters"] for n in u["counters"]} == counted
+    )
+    assert len(counted) == 33
+
+
+def test_beyond_the_limits_a_clear_error_and_no_nic_publishes_an_empty_pool(tmp_path: object) -> None:
+    node = fixtures.write_node(str(tmp_path), fixtures.many_nics_node(65))
+    vs = [model.NicView(n, NicHealth(True, ("ACTIVE",)), "rdma/hca") for n in sysfs.read_nics(node.sysfs, node.dev)]
+    with pytest.raises(
+        ValueError, match="65 NICs of resource rdma/hca on node n: its all-NICs device can count at most 64"
+    ):
+        model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, "all")], vs, {})
     empty = model.build("d.example.com", "n", "shared", [model.ResourceView("rdma/hca", 10, "all")], [], {})
     assert empty.counters is None and empty.devices["devices"] == []
     assert empty.devices["pool"]["resourceSliceCount"] == 1 and list(empty.specs()) == ["devices"]
+
+
+def test_numa_pools_get_a_set_per_numa_node_in_shared_mode(tmp_path: object) -> None:
+    """``numaPools``: ``rdma/hca-numa<N>`` through DRA, a set device of node N's NICs that serves it;
+    each such set is one more share of its NICs in their counters."""
+    r = model.ResourceView("rdma/hca", 10, "all", numa_pools=True)
+    pub = model.build("d.example.com", "n", "shared", [r], views(tmp_path), {})
+    devices = {d["name"]: d for d in pub.all_devices()}
+    serving = {
+        d["attributes"]["extendedResource"]["string"]: n
+        for n, d in devices.items()
+        if "extendedResource" in d["attributes"]
+    }
+    assert serving == {"rdma/hca": "all-hca", "rdma/hca-numa0": "all-hca-numa0", "rdma/hca-numa1": "all-hca-numa1"}
+    assert pub.refs["all-hca-numa1"].nics == ("mlx5_bond_2", "mlx5_bond_3")
+    assert devices["all-hca-numa1"]["attributes"][model.NUMA_NODE] == {"int": 1}
+    assert pub.counters is not None
+    assert set(c["value"] for c in pub.counters["sharedCounters"][0]["counters"].values()) == {"3"}
+    assert devices["0000-5a-00-0-x"]["consumesCounters"][0]["counters"] == {"0000-5a-00-0": {"value": "3"}}
+    # Exclusive mode has no numaPools (the config refuses it): no NUMA sets.
+    excl = model.build("d.example.com", "n", "exclusive", [r], views(tmp_path), {})
+    assert not [d for d in excl.all_devices() if "numa" in d["name"]]

@@ -17,11 +17,11 @@ from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 from ansible.utils.display import Display
 from ansible_collections.lingjun.rdma.plugins.action.rdma_verify import write_verdicts
-from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_dra import SLICES, pools, verdict
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_dra import SLICES, nic_count_problem, pools, verdict
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import Verdict, rollout_seconds
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_k8s import K8sError
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_k8s import Cluster as Api
-from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import Hosts
+from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import Hosts, nic_count, read_report, report_path
 
 display = Display()
 TEST_LABEL = "rdma.lingjun.io/dra-verify"
@@ -36,8 +36,18 @@ def test_pod(name, node, namespace, resource, image):
             "restartPolicy": "Never",
             "nodeSelector": {"kubernetes.io/hostname": node},
             "tolerations": [{"operator": "Exists"}],
+            # What the chart's admission policy asks of an RDMA pod (and all it needs): the host's network,
+            # IPC_LOCK to pin memory, nothing else of the runtime's default capabilities.
+            "hostNetwork": True,
+            "dnsPolicy": "ClusterFirstWithHostNet",
             "containers": [
-                {"name": "rdma", "image": image, "command": ["sleep", "300"], "resources": {"limits": {resource: "1"}}}
+                {
+                    "name": "rdma",
+                    "image": image,
+                    "command": ["sleep", "300"],
+                    "resources": {"limits": {resource: "1"}},
+                    "securityContext": {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}},
+                }
             ],
         },
     }
@@ -92,7 +102,9 @@ class ActionModule(ActionBase):
                     break
                 time.sleep(interval)
             if args.get("test_claim"):
-                self._test_claims(api, args, nodes, verdicts, test_timeout)
+                report_dir = args.get("report_dir", "")
+                counts = (values, read_report(report_path(report_dir)) if report_dir else {})
+                self._test_claims(api, args, nodes, verdicts, test_timeout, seen, counts)
         except K8sError as exc:
             result.update(failed=True, msg=str(exc))
             return result
@@ -109,8 +121,10 @@ class ActionModule(ActionBase):
         )
         return result
 
-    def _test_claims(self, api, args, nodes, verdicts, deadline_s):
-        """A pod asking the extended resource on every node that passed: allocated and prepared, or why not."""
+    def _test_claims(self, api, args, nodes, verdicts, deadline_s, views, counts):
+        """A pod asking the extended resource on every node that passed: allocated and prepared, with the
+        NICs one unit gives (every NIC of the node in shared mode, one in exclusive), or why not."""
+        values, report_nodes = counts
         image = args.get("test_image") or ""
         if not image:
             raise AnsibleActionFail("rdma_dra_verify: test_claim needs test_image (plugin_verify_test_job_image)")
@@ -144,14 +158,23 @@ class ActionModule(ActionBase):
                 done, ok, detail = state.get(host, (False, False, "not read"))
                 pod = api.call("GET", path)
                 claim = ((pod.get("status") or {}).get("extendedResourceClaimStatus") or {}).get("resourceClaimName", "")
-                got = ""
+                got, allocated = "", []
                 if claim:
                     c = api.call("GET", "/apis/resource.k8s.io/v1/namespaces/%s/resourceclaims/%s" % (path.split("/")[4], claim))
                     results = ((c.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results") or []
                     got = ", ".join("%s/%s" % (r["pool"], r["device"]) for r in results)
+                    allocated = [r["device"] for r in results if r.get("pool") == nodes[host]]
                 v = verdicts[host]
-                if ok:
-                    verdicts[host] = Verdict(True, "%s; test claim: %s 1 allocated %s and prepared (pod %s)" % (v.msg, resource, got, detail), False)
+                view = views.get(nodes[host])
+                want, source, _ = nic_count(values, host, report_nodes)
+                count = nic_count_problem(nodes[host], view, resource, allocated, want, source) if ok and view else ""
+                if ok and count:
+                    verdicts[host] = Verdict(False, "%s; test claim: %s 1 allocated %s and prepared, but %s" % (v.msg, resource, got, count), True)
+                elif ok:
+                    nics = sum(view.nics.get(d, 0) for d in allocated) if view else 0
+                    verdicts[host] = Verdict(
+                        True, "%s; test claim: %s 1 allocated %s (%d NIC%s) and prepared (pod %s)"
+                        % (v.msg, resource, got, nics, "" if nics == 1 else "s", detail), False)
                 else:
                     verdicts[host] = Verdict(
                         False,

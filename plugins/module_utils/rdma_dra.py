@@ -15,12 +15,15 @@ SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
 
 class PoolView(object):
-    def __init__(self, generation, slices, expected, devices, tainted):
+    def __init__(self, generation, slices, expected, devices, tainted, nics=None, published=None, sets=()):
         self.generation = generation
         self.slices = slices
         self.expected = expected
         self.devices = devices  # device names of the newest generation
         self.tainted = tainted  # device -> "key=value:effect" of its taints
+        self.nics = nics or {}  # device -> the NICs it hands out (a set device: its nicCount; a NIC's view: 1)
+        self.published = published or {}  # resource -> its NICs on the node (one shared view each)
+        self.sets = set(sets)  # devices that stand for a set of NICs (nicCount)
 
     @property
     def complete(self):
@@ -39,17 +42,44 @@ def pools(slices):
     for node, specs in by_node.items():
         top = max(int(sp["pool"].get("generation", 0)) for sp in specs)
         current = [sp for sp in specs if int(sp["pool"].get("generation", 0)) == top]
-        devices, tainted = [], {}
+        devices, tainted, nics, published, sets = [], {}, {}, {}, []
         for sp in current:
             for d in sp.get("devices") or []:
                 devices.append(d["name"])
+                attrs = d.get("attributes") or {}
+                if "nicCount" in attrs:
+                    nics[d["name"]] = int(attrs["nicCount"].get("int", 0))
+                    sets.append(d["name"])
+                elif "rdmaDevice" in attrs:
+                    nics[d["name"]] = 1
+                    if (attrs.get("sharing") or {}).get("string") == "shared":
+                        resource = (attrs.get("resource") or {}).get("string", "")
+                        published[resource] = published.get(resource, 0) + 1
                 if d.get("taints"):
                     tainted[d["name"]] = ",".join(
                         "%s=%s:%s" % (t.get("key"), t.get("value", ""), t.get("effect")) for t in d["taints"]
                     )
         expected = int(current[0]["pool"].get("resourceSliceCount", 1))
-        out[node] = PoolView(top, len(current), expected, sorted(devices), tainted)
+        out[node] = PoolView(top, len(current), expected, sorted(devices), tainted, nics, published, sets)
     return out
+
+
+def nic_count_problem(node, view, resource, allocated, want=None, source=""):
+    """Why the NICs a test pod got (``allocated``: its devices on the node) are not what the node should
+    give one unit of ``resource`` ('' when they are): every NIC the node publishes through a set device
+    (shared mode), one NIC through a NIC's exclusive view; and the node publishes ``want`` NICs when the
+    inventory knows the count (``source``: where from)."""
+    published = view.published.get(resource, 0)
+    got = sum(view.nics.get(d, 0) for d in allocated)
+    whole = any(d in view.sets for d in allocated)
+    if want is not None and published != want:
+        return "node %s publishes %d NICs of %s, %d expected (%s): a NIC is missing or not selected. Next: " \
+            "rdma-device-plugin discover on the node" % (node, published, resource, want, source)
+    expected = published if whole else 1
+    if got != expected:
+        return "the test pod got %d NICs (%s), %d expected (%s)" % (
+            got, ", ".join(allocated) or "none", expected, "every NIC of the node" if whole else "one NIC per unit")
+    return ""
 
 
 def verdict(node, view, driver, release):

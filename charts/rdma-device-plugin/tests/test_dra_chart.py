@@ -100,13 +100,23 @@ def test_device_classes_one_extended_class_per_resource() -> None:
     assert all("extendedResourceName" not in s for n, s in classes.items() if ".extended." not in n)
 
 
+def test_numa_pools_get_a_device_class_per_numa_node() -> None:
+    classes = {o["metadata"]["name"]: o["spec"] for o in by_kind(objects({"driver": "dra", "numaPools": True}), "DeviceClass")}
+    numa = sorted(n for n in classes if "-numa" in n)
+    assert numa == [f"rdma-hca-numa{i}.extended.rdma.lingjun.io" for i in range(8)]
+    assert classes[numa[1]]["extendedResourceName"] == "rdma/hca-numa1"
+    assert '.extendedResource == "rdma/hca-numa1"' in classes[numa[1]]["selectors"][0]["cel"]["expression"]
+    assert not [n for n in classes if "-local" in n]  # no DRA counterpart (docs/dra.md)
+    assert not [n for o in by_kind(objects({"driver": "dra"}), "DeviceClass") if "-numa" in (n := o["metadata"]["name"])]
+
+
 def test_rbac_is_what_the_driver_calls() -> None:
     objs = objects({"driver": "dra"})
     rules = one(objs, "ClusterRole", "-dra")["rules"]
     assert rules == [
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": ["get", "list", "watch", "create", "update", "delete"]},
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["nodes", "pods"], "verbs": ["get"]},  # pods: one env per container
     ]
     binding = one(objs, "ClusterRoleBinding", "-dra")
     sa = one(objs, "ServiceAccount")

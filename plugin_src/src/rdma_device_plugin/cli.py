@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dra = sub.add_parser("dra", help="serve the same NICs as a DRA driver (ResourceSlices, kubelet DRA plugin)")
     add_dra_arguments(dra)
-    _add_roots(dra)
+    _add_roots(dra, proc=True)
     _add_logging(dra)
     return parser
 

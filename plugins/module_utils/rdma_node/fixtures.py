@@ -36,6 +36,7 @@ import ipaddress
 import json
 import os
 import shutil
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -406,6 +407,28 @@ def grace_node() -> NodeSpec:
             )
         )
     return NodeSpec(nics=tuple(nics), gpus=tuple(gpus), nvidia_driver="570.124.06", nvidia_peermem=True)
+
+
+def many_nics_node(nics: int = 33) -> NodeSpec:
+    """``nics`` ConnectX-7 RoCE NICs (``mlx5_0``...), each under a root port of its own host bridge
+    (``pci0000:<b>``), half on each NUMA node, with an IPv6 compute address each; no GPUs. More NICs than
+    a DRA counter set holds (32): what the DRA driver must still publish."""
+    specs = []
+    for i in range(nics):
+        bus = 0x10 + 2 * i
+        specs.append(
+            NicSpec(
+                name=f"mlx5_{i}",
+                pci_address=f"0000:{bus + 1:02x}:00.0",
+                uverbs=i,
+                netdevs=(f"eth{i}",),
+                numa_node=0 if i < -(-nics // 2) else 1,
+                rate="200 Gb/sec (4X HDR)",
+                ipv6=(f"2408:4005:301:{i:x}::11/64",),
+                pcie_path=(f"pci0000:{bus:02x}", f"0000:{bus:02x}:01.0"),
+            )
+        )
+    return NodeSpec(nics=tuple(specs))
 
 
 # The node shapes a validation must get right, by name (the tests pair each with its expected verdict).
@@ -903,9 +926,16 @@ class FixtureNode:
         self._write(os.path.join(base, "online"), nodes)
         self._write(os.path.join(base, "possible"), nodes)
 
+    def reboot(self) -> str:
+        """A new boot ID (``/proc/sys/kernel/random/boot_id``), as after a reboot; returns it."""
+        boot_id = str(uuid.uuid4())
+        self._write(os.path.join(self.procfs, "sys", "kernel", "random", "boot_id"), boot_id)
+        return boot_id
+
     def _write_host(self, spec: NodeSpec) -> None:
-        """Kernel release, NVIDIA driver and peer-memory modules, and the container runtime."""
+        """Kernel release and boot ID, NVIDIA driver and peer-memory modules, and the container runtime."""
         self._write(os.path.join(self.procfs, "sys", "kernel", "osrelease"), spec.kernel_release)
+        self.reboot()
         if spec.nvidia_driver:
             self._write(os.path.join(self.sysfs, "module", "nvidia", "version"), spec.nvidia_driver)
             flavour = (

@@ -8,35 +8,56 @@ spec-wide edits ``rdma_cm`` and the env of exactly the claim's NICs, computed by
 own pool (:meth:`..resources.ResourcePool.allocate`: the NCCL/UCX env of ``workloadEnv``, the config's
 env, ``RDMA_DEVICES``). The answer names the CDI devices, per request.
 
-Idempotent: what was prepared is kept per claim in ``<state-dir>/claims/<uid>.json`` (written before
-the answer, read at start), so a prepare called again (a kubelet restart, a retry) gets the same
-answer without touching the API server; unprepare removes the CDI spec and that record, and succeeds
-for a claim it does not know (called again, or never prepared here).
+What was prepared is kept per claim in ``<state-dir>/claims/<uid>.json`` (written before the answer,
+read at start) with the boot it was made in (``/proc/sys/kernel/random/boot_id``: a record of an
+earlier boot is dropped at start, its CDI spec with it) and a digest of the claim's allocation: a
+prepare called again (a kubelet restart, a retry) gets the same answer, without writing anything,
+while the allocation is the same; an allocation rewritten since is prepared anew. Unprepare removes
+the CDI spec and that record, and succeeds for a claim it does not know (called again, or never
+prepared here). Calls for one claim run one at a time.
+
+The last line of defence: the scheduler's counters keep an exclusive view of a NIC apart from its
+shared and set views, but an allocation written around the scheduler (by an admin, a bug, a stale
+allocator) is refused here, naming both claims: a NIC prepared for one claim in a view is not
+prepared for another claim in a conflicting view (exclusive beside anything).
+
+The kubelet's claim UID is checked (a Kubernetes UID: a UUID) before it names a file, and the claim's
+namespace and name are escaped in URLs. :meth:`Claims.collect` removes what no claim owns any more:
+CDI specs without a record, records (and specs) of claims gone from the API, replaced or deallocated.
 
 Errors are per claim and name what to look at: a NIC that vanished or is not usable (port not
 ACTIVE, no uverbs device) when first prepared, a claim re-created under the same name, an allocation
-for another node.
+for another node, a NIC held by another claim in a conflicting view.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..resources import AllocationError, ContainerAllocation, DeviceSpec, ResourcePool
+from ..resources import AllocationError, ContainerAllocation, DeviceSpec, ResourcePool, nic_identity
 from . import kubeapi
-from .model import SET, DeviceRef, Published
+from .containers import claims_by_container, pods_of
+from .model import EXCLUSIVE, SET, DeviceRef, Published
 
 LOG = logging.getLogger(__name__)
 CDI_VERSION = "0.6.0"
 RDMA_CM = "/dev/infiniband/rdma_cm"
+BOOT_ID = "sys/kernel/random/boot_id"  # below the procfs root
+STALE_TEMP_SECONDS = 60.0  # a temp file of a CDI spec write this old was cut short
+POD_CACHE = 1024  # pods whose containers' NICs are kept, oldest forgotten first
+# What the API server makes a UID (a UUID, util/uuid): nothing else may name a file.
+_UID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 
 class ClaimError(Exception):
@@ -58,6 +79,28 @@ def cdi_kind(driver: str) -> str:
 
 def cdi_file(cdi_dir: str, driver: str, uid: str) -> str:
     return os.path.join(cdi_dir, f"{driver}-claim_{uid}.json")
+
+
+def check_uid(uid: str) -> None:
+    if not _UID.fullmatch(uid):
+        raise ClaimError(
+            f"claim UID {uid!r} is not a Kubernetes UID (a UUID such as 0f8e6a52-3c1d-4b8e-9f7a-2d5c6b1e4a90): "
+            "refused before it names a file; the caller is not the kubelet"
+        )
+
+
+def read_boot_id(procfs_root: str) -> str:
+    """This boot's ID ("" when the file cannot be read: records are then kept across boots)."""
+    try:
+        with open(os.path.join(procfs_root, BOOT_ID), encoding="ascii") as fh:
+            return fh.read().strip()
+    except (OSError, ValueError) as exc:
+        LOG.warning("no boot ID: prepared claims cannot be told from an earlier boot's", extra={"error": str(exc)})
+        return ""
+
+
+def allocation_digest(allocation: Any) -> str:
+    return hashlib.sha256(json.dumps(allocation, sort_keys=True).encode()).hexdigest()
 
 
 def base_request(name: str) -> str:
@@ -90,6 +133,13 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
+def conflict(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """The NICs (identities) two held views share where one of them is exclusive."""
+    if EXCLUSIVE not in (mine["view"], theirs["view"]):
+        return []
+    return sorted(set(mine["nics"]) & set(theirs["nics"]))
+
+
 class Claims:
     """Prepared claims of this node: the CDI specs and their records."""
 
@@ -102,6 +152,7 @@ class Claims:
         cdi_dir: str,
         published: Callable[[], Published],
         pools: Sequence[ResourcePool],
+        boot_id: str = "",
     ) -> None:
         self.client = client
         self.driver = driver
@@ -110,32 +161,67 @@ class Claims:
         self.cdi_dir = cdi_dir
         self.published = published
         self.pools = {p.name: p for p in pools}
-        self._lock = threading.Lock()
+        self.boot_id = boot_id
+        self._lock = threading.Lock()  # the records (and the conflict check with the write it allows)
+        self._claim_locks: dict[str, tuple[threading.Lock, list[int]]] = {}  # uid -> (lock, [users])
         self._prepared: dict[str, dict[str, Any]] = {}
+        self._pod_nics: dict[str, list[tuple[list[str], frozenset[str], frozenset[tuple[str, str]]]]] = {}
         os.makedirs(self.records_dir, exist_ok=True)
         for entry in sorted(os.listdir(self.records_dir)):
-            if entry.endswith(".json"):
-                try:
-                    with open(os.path.join(self.records_dir, entry), encoding="utf-8") as fh:
-                        rec = json.load(fh)
-                    self._prepared[str(rec["uid"])] = rec
-                except (OSError, ValueError, KeyError) as exc:
-                    LOG.warning("unreadable prepared-claim record ignored", extra={"file": entry, "error": str(exc)})
+            path = os.path.join(self.records_dir, entry)
+            if entry.startswith(".tmp-"):  # a write cut short
+                _remove(path)
+                continue
+            if not entry.endswith(".json"):
+                continue
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    rec = json.load(fh)
+                uid = str(rec["uid"])
+                check_uid(uid)
+            except (OSError, ValueError, KeyError, ClaimError) as exc:
+                LOG.warning("unreadable prepared-claim record ignored", extra={"file": entry, "error": str(exc)})
+                continue
+            # A reboot: the kubelet prepares its pods' claims again; nothing of the old boot holds (a
+            # record written before boots were kept counts as this boot's).
+            if boot_id and rec.get("boot", boot_id) != boot_id:
+                _remove(cdi_file(cdi_dir, driver, uid))
+                _remove(path)
+                LOG.info("prepared claim of an earlier boot dropped", extra={"uid": uid, "boot": rec.get("boot")})
+                continue
+            self._prepared[uid] = rec
+        self._collect_files()
 
     def prepared(self) -> dict[str, dict[str, Any]]:
         with self._lock:
             return dict(self._prepared)
 
+    @contextlib.contextmanager
+    def _serialized(self, uid: str) -> Iterator[None]:
+        """One prepare or unprepare of a claim at a time (the kubelet may retry while one runs)."""
+        with self._lock:
+            lock, users = self._claim_locks.setdefault(uid, (threading.Lock(), [0]))
+            users[0] += 1
+        try:
+            with lock:
+                yield
+        finally:
+            with self._lock:
+                users[0] -= 1
+                if not users[0]:
+                    del self._claim_locks[uid]
+
     # ------------------------------------------------------------------ prepare
 
     def prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
-        with self._lock:
-            rec = self._prepared.get(uid)
-        if rec is not None and os.path.exists(rec["cdi"]):
-            return [PreparedDevice(**d) for d in rec["devices"]]
+        check_uid(uid)
+        with self._serialized(uid):
+            return self._prepare(namespace, uid, name)
+
+    def _prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
         where = f"claim {namespace}/{name}"
         try:
-            claim = self.client.get(f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}")
+            claim = self.client.get(kubeapi.claim_path(namespace, name))
         except kubeapi.ApiError as exc:
             raise ClaimError(f"{where}: reading it from the API server failed ({exc})") from exc
         if claim.get("metadata", {}).get("uid") != uid:
@@ -146,6 +232,13 @@ class Claims:
         allocation = (claim.get("status") or {}).get("allocation")
         if not allocation:
             raise ClaimError(f"{where} is not allocated")
+        digest = allocation_digest(allocation)
+        with self._lock:
+            rec = self._prepared.get(uid)
+        if rec is not None and rec.get("allocation") == digest and os.path.exists(rec["cdi"]):
+            return [PreparedDevice(**d) for d in rec["devices"]]
+        if rec is not None and rec.get("allocation", digest) != digest:
+            LOG.warning("claim's allocation changed since it was prepared: prepared anew", extra={"claim": where})
         results = [
             r
             for r in (allocation.get("devices") or {}).get("results") or []
@@ -158,12 +251,23 @@ class Claims:
         ]
         if others:
             raise ClaimError(f"{where}: devices {others} of {self.driver} are not on node {self.node}")
-        devices, spec = self._build(where, uid, results)
+        companions = self._companions(where, namespace, name, claim)
+        devices, spec, held = self._build(where, uid, results, companions)
         path = cdi_file(self.cdi_dir, self.driver, uid)
-        _write_json(path, spec)
-        rec = {"uid": uid, "namespace": namespace, "name": name, "cdi": path, "devices": [asdict(d) for d in devices]}
-        _write_json(os.path.join(self.records_dir, f"{uid}.json"), rec)
-        with self._lock:
+        rec = {
+            "uid": uid,
+            "namespace": namespace,
+            "name": name,
+            "cdi": path,
+            "devices": [asdict(d) for d in devices],
+            "held": held,
+            "allocation": digest,
+            "boot": self.boot_id,
+        }
+        with self._lock:  # the check and the write it allows, as one step against other claims
+            self._refuse_conflicts(where, uid, held)
+            _write_json(path, spec)
+            _write_json(os.path.join(self.records_dir, f"{uid}.json"), rec)
             self._prepared[uid] = rec
         LOG.info(
             "claim prepared",
@@ -171,9 +275,91 @@ class Claims:
         )
         return devices
 
+    def _refuse_conflicts(self, where: str, uid: str, held: list[dict[str, Any]]) -> None:
+        for other, rec in sorted(self._prepared.items()):
+            if other == uid:
+                continue
+            for theirs in rec.get("held") or []:
+                for mine in held:
+                    shared = conflict(mine, theirs)
+                    if shared:
+                        names = [mine["names"].get(n, n) for n in shared]
+                        raise ClaimError(
+                            f"{where}: NIC {', '.join(names)} ({', '.join(shared)}) is already prepared for claim "
+                            f"{rec.get('namespace')}/{rec.get('name')} (UID {other}) as its {theirs['view']} device "
+                            f"{theirs['device']}; this claim's {mine['view']} device {mine['device']} cannot be "
+                            "prepared beside it (an exclusive view of a NIC excludes every other view of it). "
+                            "The scheduler never allocates this: check who wrote the claims' status.allocation"
+                        )
+
+    def _nics_of(self, claim: dict[str, Any], published: Published) -> dict[str, str]:
+        """RDMA device name -> resource of the NICs a claim holds from this driver on this node."""
+        out: dict[str, str] = {}
+        for r in ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results") or []:
+            ref = published.refs.get(str(r.get("device")))
+            if r.get("driver") == self.driver and r.get("pool") == self.node and ref is not None:
+                out.update({n: ref.resource for n in ref.nics})
+        return out
+
+    def _companions(self, where: str, namespace: str, name: str, claim: dict[str, Any]) -> dict[str, str]:
+        """The NICs (name -> resource) of this driver in the containers that use this claim, its own
+        and those of their other claims (:mod:`.containers`): the env of its spec names them all."""
+        unions: dict[frozenset[tuple[str, str]], list[str]] = {}
+        for pod_name, pod_uid in pods_of(claim):
+            containers = self._pod_nics.get(pod_uid)
+            if containers is None:
+                containers = self._containers(where, namespace, pod_name, pod_uid, name, claim)
+            for users, names, nics in containers:
+                if name in names:
+                    unions.setdefault(nics, []).extend(users)
+        if len(unions) > 1:
+            shown = "; ".join(
+                f"{', '.join(sorted(users))}: {', '.join(sorted(n for n, _ in nics)) or 'none'}"
+                for nics, users in sorted(unions.items(), key=lambda kv: sorted(kv[1]))
+            )
+            raise ClaimError(
+                f"{where} is used by containers that hold different sets of {self.driver} NICs ({shown}): "
+                "the env of its CDI spec can name one set only; give those containers claims of their own"
+            )
+        return dict(next(iter(unions))) if unions else {}
+
+    def _containers(
+        self, where: str, namespace: str, pod_name: str, pod_uid: str, name: str, claim: dict[str, Any]
+    ) -> list[tuple[list[str], frozenset[str], frozenset[tuple[str, str]]]]:
+        """A pod's containers that use claims: (``pod/container``, their claims, their NICs of this
+        driver). A bound pod's claims stay allocated as they are while it exists: kept per pod."""
+        try:
+            pod = self.client.get(kubeapi.pod_path(namespace, pod_name))
+        except kubeapi.ApiError as exc:
+            if kubeapi.not_found(exc):
+                return []
+            raise ClaimError(f"{where}: reading pod {namespace}/{pod_name} failed ({exc})") from exc
+        if pod.get("metadata", {}).get("uid") != pod_uid:
+            return []
+        published = self.published()
+        fetched = {name: claim}
+        out = []
+        for container, names in sorted(claims_by_container(pod).items()):
+            nics: dict[str, str] = {}
+            for other in sorted(names):
+                if other not in fetched:
+                    try:
+                        fetched[other] = self.client.get(kubeapi.claim_path(namespace, other))
+                    except kubeapi.ApiError as exc:
+                        if not kubeapi.not_found(exc):
+                            raise ClaimError(f"{where}: reading claim {namespace}/{other} failed ({exc})") from exc
+                        fetched[other] = {}
+                nics.update(self._nics_of(fetched[other], published))
+            out.append(([f"{pod_name}/{container}"], frozenset(names), frozenset(nics.items())))
+        with self._lock:
+            self._pod_nics[pod_uid] = out
+            while len(self._pod_nics) > POD_CACHE:
+                del self._pod_nics[next(iter(self._pod_nics))]
+        return out
+
     def _build(
-        self, where: str, uid: str, results: list[dict[str, Any]]
-    ) -> tuple[list[PreparedDevice], dict[str, Any]]:
+        self, where: str, uid: str, results: list[dict[str, Any]], companions: dict[str, str]
+    ) -> tuple[list[PreparedDevice], dict[str, Any], list[dict[str, Any]]]:
         published = self.published()
         refs: dict[str, DeviceRef] = {}
         requests: dict[str, list[str]] = {}
@@ -200,8 +386,9 @@ class Claims:
         kind = cdi_kind(self.driver)
         spec: dict[str, Any] = {"cdiVersion": CDI_VERSION, "kind": kind, "devices": []}
         out: list[PreparedDevice] = []
+        held: list[dict[str, Any]] = []
         if not refs:
-            return out, spec
+            return out, spec, held
         pool = self.pools[owners[0]]
         present = {n.name: n for n in pool.present_nics()}
         nics_of: dict[str, list[str]] = {}
@@ -212,7 +399,16 @@ class Claims:
                 missing = ", ".join(gone or ref.nics)
                 raise ClaimError(f"{where}: NIC {missing} (device {device}) is gone from node {self.node}")
             nics_of[device] = names
-        every = sorted({n for names in nics_of.values() for n in names})
+            ids = {nic_identity(present[n]): n for n in names}
+            held.append({"device": device, "view": ref.view, "nics": sorted(ids), "names": ids})
+        mixed = sorted({r for r in companions.values() if r != owners[0]})
+        if mixed:
+            raise ClaimError(
+                f"{where}: a container that uses it holds NICs of resources {[owners[0], *mixed]} through its "
+                "claims: their env can name one resource's NICs only; ask one resource's NICs per container"
+            )
+        # The container's other claims' NICs too (one env for all of them): those present on the node.
+        every = sorted({n for names in nics_of.values() for n in names} | (set(companions) & set(present)))
         whole = self._allocate(where, pool, [present[n].pci_address for n in every])
         for device in sorted(refs):
             nodes: list[dict[str, str]] = []
@@ -226,7 +422,7 @@ class Claims:
             "env": [f"{k}={v}" for k, v in sorted(whole.envs.items())],
             "deviceNodes": [_node(DeviceSpec(RDMA_CM, RDMA_CM))],
         }
-        return out, spec
+        return out, spec, held
 
     @staticmethod
     def _allocate(where: str, pool: ResourcePool, addresses: list[str]) -> ContainerAllocation:
@@ -238,9 +434,64 @@ class Claims:
     # ------------------------------------------------------------------ unprepare
 
     def unprepare(self, namespace: str, uid: str, name: str) -> None:
+        check_uid(uid)
+        with self._serialized(uid):
+            self._drop(uid)
+        LOG.info("claim unprepared", extra={"claim": f"{namespace}/{name}", "uid": uid})
+
+    def _drop(self, uid: str) -> None:
         with self._lock:
             rec = self._prepared.pop(uid, None)
-        _remove(rec["cdi"] if rec else cdi_file(self.cdi_dir, self.driver, uid))
-        _remove(os.path.join(self.records_dir, f"{uid}.json"))
-        if rec is not None:
-            LOG.info("claim unprepared", extra={"claim": f"{namespace}/{name}", "uid": uid})
+            _remove(rec["cdi"] if rec else cdi_file(self.cdi_dir, self.driver, uid))
+            _remove(os.path.join(self.records_dir, f"{uid}.json"))
+
+    # ------------------------------------------------------------------ orphans
+
+    def _collect_files(self) -> None:
+        """CDI specs of this driver's claims without a record (a crash between the two writes, a
+        record of an earlier boot), and temp files of writes cut short: only old ones, since the
+        device plugin may write its own spec in the same dir (same temp prefix) at this moment."""
+        prefix = f"{self.driver}-claim_"
+        try:
+            entries = sorted(os.listdir(self.cdi_dir))
+        except FileNotFoundError:
+            return
+        with self._lock:
+            known = {os.path.basename(r["cdi"]) for r in self._prepared.values()}
+            for entry in entries:
+                path = os.path.join(self.cdi_dir, entry)
+                orphan = entry.startswith(prefix) and entry.endswith(".json") and entry not in known
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.startswith(".tmp-") and time.time() - os.stat(path).st_mtime > STALE_TEMP_SECONDS:
+                        orphan = True
+                if orphan:
+                    _remove(path)
+                    LOG.info("orphaned CDI spec removed", extra={"file": entry})
+
+    def collect(self) -> int:
+        """Drop the records of claims gone from the API (or re-created, or deallocated: no pod can use
+        them), and CDI specs without a record; the number of claims dropped. The kubelet unprepares
+        what it knows; this catches what it forgot (its state lost, a claim deleted while it was down)."""
+        dropped = 0
+        for uid, rec in sorted(self.prepared().items()):
+            with self._serialized(uid):
+                if uid not in self.prepared():
+                    continue  # unprepared meanwhile
+                try:
+                    claim = self.client.get(kubeapi.claim_path(str(rec["namespace"]), str(rec["name"])))
+                except kubeapi.ApiError as exc:
+                    if not kubeapi.not_found(exc):
+                        LOG.warning("orphan check skipped", extra={"uid": uid, "error": str(exc)})
+                        continue
+                    claim = {}
+                same = claim.get("metadata", {}).get("uid") == uid
+                if same and (claim.get("status") or {}).get("allocation"):
+                    continue
+                self._drop(uid)
+                dropped += 1
+                LOG.info(
+                    "orphaned prepared claim removed",
+                    extra={"claim": f"{rec['namespace']}/{rec['name']}", "uid": uid, "in_api": bool(claim)},
+                )
+        self._collect_files()
+        return dropped

@@ -34,7 +34,8 @@ class Inventory:
         self._unhealthy_since: dict[str, str] = {}  # RDMA device name -> RFC 3339
 
     def resources(self) -> list[ResourceView]:
-        return [ResourceView(r.name, r.shared_devices, self.config.health.policy) for r in self.config.resources]
+        policy = self.config.health.policy
+        return [ResourceView(r.name, r.shared_devices, policy, r.numa_pools) for r in self.config.resources]
 
     def _pcie_root(self, address: str) -> str:
         if address not in self._roots:

@@ -245,6 +245,23 @@ def _decode(status: int, raw: bytes) -> Obj:
     return dict(doc)
 
 
+def segment(value: str) -> str:
+    """One URL path segment, escaped as client-go escapes each segment: a name with ``/``, ``?``,
+    ``#``, ``%`` or a whole ``.``/``..`` names nothing but itself (the server answers 404)."""
+    if value in (".", ".."):
+        return "%2E" * len(value)
+    return urllib.parse.quote(value, safe="")
+
+
+def claim_path(namespace: str, name: str) -> str:
+    """A ResourceClaim's path, both names escaped (the kubelet sends them; they name a URL here)."""
+    return f"/apis/resource.k8s.io/v1/namespaces/{segment(namespace)}/resourceclaims/{segment(name)}"
+
+
+def pod_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{segment(namespace)}/pods/{segment(name)}"
+
+
 def connect(kubeconfig: str = "") -> Client:
     """A client from ``kubeconfig``, else the pod's service account."""
     return Client(from_kubeconfig(kubeconfig) if kubeconfig else in_cluster())

@@ -1,8 +1,10 @@
 """The device model: what a node's NICs look like as ``resource.k8s.io/v1`` ResourceSlices (pure logic).
 
 One pool per node (named after the node), two slices (the API takes ``sharedCounters`` and
-``devices`` only in separate slices of one pool). For every selected NIC ``<n>`` (its RDMA device
-name made a DNS label: ``mlx5_bond_0`` -> ``mlx5-bond-0``):
+``devices`` only in separate slices of one pool). For every selected NIC ``<n>`` (its PCI address
+made a DNS label, ``0000:1a:00.0`` -> ``0000-1a-00-0``, as the device plugin keys exclusive devices:
+the kernel's probe order can give ``mlx5_N`` to another NIC after a reboot or a firmware change, the
+PCI function stays; a NIC without one is keyed by its node GUID, else its RDMA device name):
 
 - ``<n>``: the NIC **shared** (``allowMultipleAllocations``): capacity ``slots`` (the resource's
   ``sharedDevices``, each claim takes 1 unless it asks more) and ``bandwidth`` (the port rate in
@@ -40,6 +42,7 @@ from typing import Any
 
 from rdma_node.sysfs import Nic
 
+from ..config import numa_resource_name
 from ..health import NicHealth
 
 STANDARD = "resource.kubernetes.io"
@@ -55,8 +58,11 @@ SHARED, EXCLUSIVE, SET = "shared", "exclusive", "set"
 # Kinds of slice in the pool (a label on each, so the publisher finds its own).
 COUNTERS_SLICE, DEVICES_SLICE = "counters", "devices"
 MAX_NICS = 32  # counters in one counter set (ResourceSliceMaxCountersPerCounterSet)
+MAX_COUNTER_SETS = 8  # counter sets in a slice (ResourceSliceMaxCounterSets)
+MAX_CONSUMPTIONS = 2  # counter sets one device consumes from (ResourceSliceMaxDeviceCounterConsumptionsPerDevice)
 MAX_DEVICES = 64  # devices in a slice that uses counters or taints (ResourceSliceMaxDevicesWithAdvancedFeatures)
 MAX_ATTR_VALUE = 64  # DeviceAttributeMaxValueLength
+MAX_NAME = 63  # a device name is a DNS label
 _LABEL = re.compile(r"[^a-z0-9-]+")
 _RATE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*Gb/sec")
 
@@ -80,6 +86,7 @@ class ResourceView:
     name: str  # rdma/hca
     budget: int  # sharedDevices: claims that share one device
     policy: str  # health.policy: all | any
+    numa_pools: bool = False  # also a set per NUMA node (<name>-numa<N>), shared mode
 
 
 @dataclass(frozen=True)
@@ -100,12 +107,17 @@ class Published:
     devices: dict[str, Any]
     refs: dict[str, DeviceRef] = field(default_factory=dict)
     health: dict[str, tuple[bool, str]] = field(default_factory=dict)  # device -> (healthy, why)
+    more_devices: list[dict[str, Any]] = field(default_factory=list)  # beyond MAX_DEVICES: slices devices-1, ...
 
     def specs(self) -> dict[str, dict[str, Any]]:
         out = {DEVICES_SLICE: self.devices}
+        out.update({f"{DEVICES_SLICE}-{i}": spec for i, spec in enumerate(self.more_devices, 1)})
         if self.counters is not None:
             out[COUNTERS_SLICE] = self.counters
         return out
+
+    def all_devices(self) -> list[dict[str, Any]]:
+        return [d for spec in (self.devices, *self.more_devices) for d in spec["devices"]]
 
 
 def dns_label(name: str) -> str:
@@ -113,23 +125,39 @@ def dns_label(name: str) -> str:
     return _LABEL.sub("-", name.lower()).strip("-")[:60].strip("-")
 
 
-def device_names(nics: Sequence[str], reserved: Sequence[str] = ()) -> dict[str, str]:
-    """RDMA device name -> device name, unique and valid: a name that collides (``mlx5_0`` and
-    ``MLX5-0``) or makes no label (a non-UTF-8 ``\\xNN`` name) gets a hash of the kernel name."""
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:8]
+
+
+def nic_key(nic: Nic) -> str:
+    """What names a NIC's devices: its PCI address, else its node GUID, else its RDMA device name."""
+    if nic.pci_address:
+        return nic.pci_address
+    return f"guid-{nic.node_guid}" if nic.node_guid else nic.name
+
+
+def device_names(nics: Mapping[str, str], reserved: Sequence[str] = ()) -> dict[str, str]:
+    """RDMA device name -> device name, from each NIC's key (:func:`nic_key`), unique and valid: a key
+    that collides (``mlx5_0`` and ``MLX5-0`` without PCI addresses) or makes no label (a non-UTF-8
+    ``\\xNN`` name) gets a hash of the key."""
     taken = set(reserved)
     out: dict[str, str] = {}
-    for name in sorted(nics, key=lambda n: (n != n.lower(), n)):  # kernel names are lowercase: they win
-        label = dns_label(name)
+    for name, key in sorted(nics.items(), key=lambda nk: (nk[1] != nk[1].lower(), nk[1])):  # lowercase wins
+        label = dns_label(key)
         if not label or label in taken or label + EXCLUSIVE_SUFFIX in taken or label.endswith(EXCLUSIVE_SUFFIX):
-            digest = hashlib.sha256(name.encode("utf-8", "backslashreplace")).hexdigest()[:8]
-            label = f"{label[:50]}-{digest}".strip("-") if label else f"nic-{digest}"
+            label = f"{label[:50]}-{_digest(key)}".strip("-") if label else f"nic-{_digest(key)}"
         taken.update((label, label + EXCLUSIVE_SUFFIX))
         out[name] = label
     return out
 
 
-def set_device_name(resource: str) -> str:
-    return SET_PREFIX + dns_label(resource.split("/", 1)[-1])
+def set_device_name(resource: str, taken: Sequence[str] = ()) -> str:
+    """``all-<short name>`` within a DNS label's 63 characters: a long or colliding one
+    (``a.example.com/hca`` beside ``b.example.com/hca``) is cut and ends with a hash of the resource."""
+    name = SET_PREFIX + dns_label(resource.split("/", 1)[-1])
+    if len(name) > MAX_NAME or name in taken:
+        name = f"{name[: MAX_NAME - 9].rstrip('-')}-{_digest(resource)}"
+    return name
 
 
 def rate_gbps(rate: str) -> float | None:
@@ -214,26 +242,49 @@ def build(
 ) -> Published:
     """The pool's slices. ``since``: RDMA device name -> when it became unhealthy (taint timeAdded,
     RFC 3339), so a republish keeps it. ``mode``: which view serves the extended resource."""
-    if len(nics) > MAX_NICS:
+    too_long = [r.name for r in resources if len(r.name) > MAX_ATTR_VALUE]
+    if too_long:
         raise ValueError(
-            f"{len(nics)} NICs selected on node {node}: a pool's counter set holds at most {MAX_NICS}; "
-            "narrow the resources' selectors"
+            f"resource name(s) {too_long} longer than {MAX_ATTR_VALUE} characters: the DRA attributes that name "
+            f"a device's resource (resource, extendedResource) hold at most {MAX_ATTR_VALUE}; "
+            "give the resource (resources[].name) a shorter name to serve it through DRA"
         )
     by_name = {v.nic.name: v for v in nics}
     budgets = {r.name: r.budget for r in resources}
-    sets = {r.name: set_device_name(r.name) for r in resources if any(v.resource == r.name for v in nics)}
-    names = device_names(list(by_name), reserved=list(sets.values()))
+    # The set devices: per resource every NIC of it, and with numaPools (shared mode) the NICs of each
+    # NUMA node (extended resource <name>-numa<N>): (device name, extended resource, resource, members).
+    sets: list[tuple[str, str, ResourceView, list[str]]] = []
+    for r in resources:
+        members = sorted(n for n, v in by_name.items() if v.resource == r.name)
+        if not members:
+            continue
+        sets.append((set_device_name(r.name, [s[0] for s in sets]), r.name, r, members))
+        nodes = {m for n in members if (m := by_name[n].nic.numa_node) is not None and m >= 0}
+        for node_of in sorted(nodes) if r.numa_pools and mode == "shared" else ():
+            local = [n for n in members if by_name[n].nic.numa_node == node_of]
+            extended = numa_resource_name(r.name, node_of)
+            if len(extended) > MAX_ATTR_VALUE:
+                raise ValueError(
+                    f"numaPools of resource {r.name}: {extended} is longer than {MAX_ATTR_VALUE} characters (a "
+                    "DRA attribute value); give the resource a shorter name to serve its NUMA pools through DRA"
+                )
+            sets.append((set_device_name(extended, [s[0] for s in sets]), extended, r, local))
+    in_sets = {n: sum(1 for s in sets if n in s[3]) for n in by_name}
+    names = device_names({n: nic_key(v.nic) for n, v in by_name.items()}, reserved=[s[0] for s in sets])
+    counter_set = counter_sets(
+        node, [r.name for r in resources], {n: (v.resource, names[n]) for n, v in by_name.items()}
+    )
     devices: list[dict[str, Any]] = []
     refs: dict[str, DeviceRef] = {}
     health: dict[str, tuple[bool, str]] = {}
     counters: dict[str, int] = {}
-    for name in sorted(by_name):
+    for name in sorted(by_name, key=lambda n: names[n]):  # by device name: a rename moves nothing
         v = by_name[name]
         label = names[name]
         healthy = v.health.healthy
         why = "" if healthy else taint_value(v.health)
         taints = _taints(healthy, why, since.get(name, ""))
-        shares = 1 + (1 if v.resource in sets else 0)  # its shared view, and its resource's set
+        shares = 1 + in_sets[name]  # its shared view, and the sets that hold it
         counters[label] = shares
         attrs = _attrs(v)
         gbps = rate_gbps(v.nic.ports[0].rate) if v.nic.ports else None
@@ -255,7 +306,7 @@ def build(
             "allowMultipleAllocations": True,
             "attributes": {**attrs, "sharing": _str(SHARED)},
             "capacity": capacity,
-            "consumesCounters": [{"counterSet": COUNTER_SET, "counters": {label: {"value": "1"}}}],
+            "consumesCounters": [{"counterSet": counter_set[name], "counters": {label: {"value": "1"}}}],
         }
         x_attrs = {**attrs, "sharing": _str(EXCLUSIVE)}
         if mode == "exclusive":
@@ -263,7 +314,7 @@ def build(
         exclusive: dict[str, Any] = {
             "name": label + EXCLUSIVE_SUFFIX,
             "attributes": x_attrs,
-            "consumesCounters": [{"counterSet": COUNTER_SET, "counters": {label: {"value": str(shares)}}}],
+            "consumesCounters": [{"counterSet": counter_set[name], "counters": {label: {"value": str(shares)}}}],
         }
         if gbps:
             exclusive["capacity"] = {BANDWIDTH: {"value": f"{int(gbps * 1000)}M"}}
@@ -274,18 +325,14 @@ def build(
             dname = label + (EXCLUSIVE_SUFFIX if view == EXCLUSIVE else "")
             refs[dname] = DeviceRef(dname, view, (name,), v.resource)
             health[dname] = (healthy, v.health.why)
-    for r in resources:
-        set_name = sets.get(r.name)
-        if set_name is None:
-            continue
-        members = sorted(n for n, v in by_name.items() if v.resource == r.name)
+    for set_name, extended, r, members in sets:
         usable = [by_name[n].health.healthy for n in members]
         healthy = all(usable) if r.policy == "all" else any(usable)
         bad = [n for n in members if not by_name[n].health.healthy]
         why = "" if healthy else f"{', '.join(bad)}: " + "; ".join(by_name[n].health.why for n in bad)
         attrs = {"resource": _str(r.name), "sharing": _str(SET), "nicCount": {"int": len(members)}}
         if mode == "shared":
-            attrs["extendedResource"] = _str(r.name)
+            attrs["extendedResource"] = _str(extended)
         numa = sorted({numa_of for n in members if (numa_of := by_name[n].nic.numa_node) is not None})
         if len(numa) == 1:
             attrs[NUMA_NODE] = {"int": numa[0]}
@@ -299,7 +346,17 @@ def build(
                     "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": str(r.budget)}},
                 }
             },
-            "consumesCounters": [{"counterSet": COUNTER_SET, "counters": {names[n]: {"value": "1"} for n in members}}],
+            "consumesCounters": [
+                {
+                    "counterSet": cs,
+                    "counters": {
+                        names[n]: {"value": "1"}
+                        for n in sorted(members, key=lambda m: names[m])
+                        if counter_set[n] == cs
+                    },
+                }
+                for cs in sorted({counter_set[n] for n in members}, key=_set_order)
+            ],
         }
         if not healthy:
             first = min((since.get(n, "") for n in bad), default="")
@@ -309,15 +366,50 @@ def build(
         devices.append(device)
         refs[set_name] = DeviceRef(set_name, SET, tuple(members), r.name)
         health[set_name] = (healthy, why)
-    if len(devices) > MAX_DEVICES:
-        raise ValueError(
-            f"{len(devices)} devices for node {node}: a slice with counters holds at most {MAX_DEVICES} "
-            "(two per NIC and one per resource); narrow the resources' selectors"
-        )
-    pool = {"name": node, "generation": generation, "resourceSliceCount": 2 if counters else 1}
+    # MAX_DEVICES per slice: more go to more slices of the pool (a NIC's two views stay in one).
+    chunks = [devices[i : i + MAX_DEVICES] for i in range(0, len(devices), MAX_DEVICES)] or [[]]
+    pool = {"name": node, "generation": generation, "resourceSliceCount": len(chunks) + (1 if counters else 0)}
     common = {"driver": driver, "nodeName": node, "pool": pool}
     counters_spec = None
     if counters:
-        sets_of = {k: {"value": str(c)} for k, c in counters.items()}
-        counters_spec = {**common, "sharedCounters": [{"name": COUNTER_SET, "counters": sets_of}]}
-    return Published(counters_spec, {**common, "devices": devices}, refs, health)
+        by_set: dict[str, dict[str, Any]] = {}
+        for name in sorted(by_name, key=lambda n: names[n]):
+            by_set.setdefault(counter_set[name], {})[names[name]] = {"value": str(counters[names[name]])}
+        shared_counters = [{"name": cs, "counters": by_set[cs]} for cs in sorted(by_set, key=_set_order)]
+        counters_spec = {**common, "sharedCounters": shared_counters}
+    return Published(
+        counters_spec, {**common, "devices": chunks[0]}, refs, health, [{**common, "devices": c} for c in chunks[1:]]
+    )
+
+
+def _set_order(name: str) -> int:
+    return int(name.rsplit("-", 1)[1]) if "-" in name else 0
+
+
+def counter_sets(node: str, resources: Sequence[str], nics: Mapping[str, tuple[str, str]]) -> dict[str, str]:
+    """RDMA device name -> the counter set that holds its NIC's counter (``nics``: name -> (resource,
+    device name)). Up to MAX_NICS NICs share one set; more take a set per MAX_NICS NICs of each resource
+    (``nics``, ``nics-1``, ...), so a resource's set device consumes from at most
+    MAX_CONSUMPTIONS of them. Beyond the API's limits: a ValueError that says which."""
+    if len(nics) <= MAX_NICS:
+        return {n: COUNTER_SET for n in nics}
+    out: dict[str, str] = {}
+    index = 0
+    for r in resources:
+        members = sorted((label, n) for n, (owner, label) in nics.items() if owner == r)
+        if len(members) > MAX_NICS * MAX_CONSUMPTIONS:
+            raise ValueError(
+                f"{len(members)} NICs of resource {r} on node {node}: its all-NICs device can count at most "
+                f"{MAX_NICS * MAX_CONSUMPTIONS} ({MAX_CONSUMPTIONS} counter sets of {MAX_NICS}); "
+                "split them between resources (selectors)"
+            )
+        for i in range(0, len(members), MAX_NICS):
+            for _, n in members[i : i + MAX_NICS]:
+                out[n] = COUNTER_SET if index == 0 else f"{COUNTER_SET}-{index}"
+            index += 1
+    if index > MAX_COUNTER_SETS:
+        raise ValueError(
+            f"{len(nics)} NICs selected on node {node} need {index} counter sets, a pool holds at most "
+            f"{MAX_COUNTER_SETS} ({MAX_NICS} NICs each, per resource); narrow the resources' selectors"
+        )
+    return out
