@@ -145,12 +145,14 @@ def test_helm_install_to_an_admitted_rdma_pod(kube: Kube, kube_nodes: Any) -> No
                     {
                         "name": "main",
                         "image": "busybox",
-                        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                        "securityContext": {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}},
                         "resources": {"limits": {"rdma/hca": "1"}},
                     }
                 ],
             },
         }
+        # RDMA pods run only in namespaces that allow RDMA (the chart's tenant policy, docs/security.md)
+        kube.kubectl("label", "namespace", "default", "rdma.lingjun.io/tenant=true", "--overwrite")
         kube.apply(pod)
         record = wait_for(lambda: node.record("default", "nccl-test"), timeout=60)
         assert record, kube.get("pod", "nccl-test", "-n", "default")["status"]

@@ -56,3 +56,7 @@ def test_admission_policy_admits_each_job_in_its_mode() -> None:
     assert defaults.evaluate(host) == []
     assert switch_on.evaluate(pod_network) == []
     assert defaults.evaluate(pod_network)  # refused with the defaults: the doc says it needs the switch
+    # and the tenant policy admits both in a namespace that allows RDMA (the doc says to label it)
+    tenant = {"rdma.lingjun.io/tenant": "true"}
+    assert Policy({}, "-rdma-tenant").evaluate(host, namespace_labels=tenant) == []
+    assert Policy(CASES["non-hostnetwork"], "-rdma-tenant").evaluate(pod_network, namespace_labels=tenant) == []
