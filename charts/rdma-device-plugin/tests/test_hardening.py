@@ -71,10 +71,14 @@ def test_metrics_bind_the_downward_api_pod_ip(case: str) -> None:
 def test_pod_security_level_documented() -> None:
     assert "## Pod Security Admission" in README
     section = README.split("## Pod Security Admission", 1)[1].split("\n## ", 1)[0]
-    for needle in ("pod-security.kubernetes.io/enforce=privileged", "hostPath", "IPC_LOCK", "baseline", "hostNetwork"):
+    for needle in ("kubectl label namespace <namespace> rdma.lingjun.io/tenant=true", "hostPath", "IPC_LOCK", "baseline",
+                   "hostNetwork", "drops `ALL`", "docs/security.md"):
         assert needle in section, needle
+    # issue 39: no longer "label RDMA namespaces privileged": the tenant label, and the policy behind it
+    assert "enforce=privileged" not in section
     notes = render({})["rdma-device-plugin/templates/NOTES.txt"]
-    assert "pod-security.kubernetes.io/enforce=privileged" in notes
+    assert "enforce=privileged" not in notes
+    assert "kubectl label namespace <namespace> rdma.lingjun.io/tenant=true" in notes and "drop: [ALL], add: [IPC_LOCK]" in notes
 
 
 # ------------------------------------------------------------------ upgrades

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from conftest import CASES, CHART_DIR, example_jobs
 from test_policy_cel import Policy, caps_pod, pod_of_job, rdma_pod
-from test_tenant_policy import DRA, LABEL as TENANT_LABEL, TENANT, claim, good_pod, issue_matrix
+from test_tenant_policy import DRA, LABEL as TENANT_LABEL, TENANT, Tenant, claim, dra_objects, good_pod, issue_matrix
 
 sys.path.insert(0, str(CHART_DIR.parents[1] / "scripts"))
 pytest.register_assert_rewrite("kube_pytest")
@@ -133,7 +133,7 @@ def _server_verdict(kube: Kube, pod: dict[str, Any], namespace: str = "default")
     return r.stderr
 
 
-def _agrees(got: str | None, policies: list[Policy], obj: dict[str, Any], **kw: Any) -> bool:
+def _agrees(got: str | None, policies: list[Any], obj: dict[str, Any], **kw: Any) -> bool:
     """The API server denies when any policy does, with the first message of one of the denying ones
     (it evaluates every binding and reports one denial: dispatcher.go deniedDecisions[0])."""
     firsts = [m[0] for m in (p.evaluate(obj, **kw) for p in policies) if m]
@@ -163,7 +163,7 @@ def test_the_admission_policy_decides_in_the_api_server_as_cel_python_does(kube:
         assert wait_for(lambda: _server_verdict(kube, probe) is not None, timeout=60), "the policy never took effect"
         checked = disagreements = 0
         report = []
-        tenant = Policy(INSTALLS[case], "-rdma-tenant")
+        tenant = Tenant(INSTALLS[case])
         for name, pod in matrix.items():
             got = _server_verdict(kube, pod)
             if name in INVALID:
@@ -190,7 +190,8 @@ def test_the_tenant_policy_decides_in_the_api_server_as_cel_python_does(kube: Ku
     install(kube, values)
     try:
         ns = _tenant_namespace(kube, "rdma-tenant")
-        policies = [Policy(values, "-rdma-pods"), Policy(values, "-rdma-tenant")]
+        objs = dra_objects(values)
+        policies = [Policy(values, "-rdma-pods", objs), Tenant(values, objs)]
         probe = issue_matrix()["privileged-non-rdma"][0]
         assert wait_for(lambda: _server_verdict(kube, probe, ns) is not None, timeout=60), "the policy never took effect"
         report = []
@@ -218,13 +219,14 @@ def test_the_tenant_policy_decides_in_the_api_server_as_cel_python_does(kube: Ku
         r = kube.kubectl("patch", "pod", "t-debug-target", "-n", ns, "--subresource=ephemeralcontainers", "--type=strategic",
                          "-p", json.dumps(patch), "--dry-run=server", check=False)
         live["spec"]["ephemeralContainers"] = patch["spec"]["ephemeralContainers"]
+        # (-rdma-pods matches pods, not the subresource)
         if r.returncode == 0 or f"denied request: {field}" not in r.stderr or not _agrees(
-                r.stderr, policies, live, operation="UPDATE", namespace=ns, namespace_labels=TENANT, sub_resource="ephemeralcontainers"):
+                r.stderr, policies[1:], live, operation="UPDATE", namespace=ns, namespace_labels=TENANT, sub_resource="ephemeralcontainers"):
             report.append(f"debug container: {r.returncode} {r.stderr!r}")
         # claims of the chart's classes outside a namespace that allows RDMA
         for kind, suffix in (("ResourceClaim", "-rdma-claims"), ("ResourceClaimTemplate", "-rdma-claim-templates")):
             obj = claim(kind, ["nic.rdma.lingjun.io"])
-            policy = Policy(values, suffix)
+            policy = Policy(values, suffix, objs)
             got = _server_verdict(kube, obj, "default")
             if not (got and "DeviceClass 'nic.rdma.lingjun.io'" in got and _agrees(got, [policy], obj, namespace_labels={})):
                 report.append(f"{kind} in default: API server {got!r}")

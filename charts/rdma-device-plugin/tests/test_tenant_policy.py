@@ -23,14 +23,28 @@ def dra_objects(values: dict[str, Any]) -> list[dict[str, Any]]:
     return parse(render_raw(values, kube_version="v1.37.0", api_versions=DRA_API_VERSIONS))
 
 
-@pytest.fixture(scope="module")
-def tenant() -> Policy:
-    return Policy({}, "-rdma-tenant")
+class Tenant:
+    """The two tenant policies (-rdma-tenant in labelled namespaces, -rdma-tenant-outside elsewhere),
+    whose bindings' namespaceSelectors split the namespaces between them."""
+
+    def __init__(self, values: dict[str, Any], objs: Optional[list[dict[str, Any]]] = None) -> None:
+        self.inside, self.outside = Policy(values, "-rdma-tenant", objs), Policy(values, "-rdma-tenant-outside", objs)
+        self.policy, self.binding = self.inside.policy, self.inside.binding
+
+    def evaluate(self, pod: dict[str, Any], **kw: Any) -> Optional[list[str]]:
+        verdicts = [p.evaluate(pod, **kw) for p in (self.inside, self.outside)]
+        assert None in verdicts, verdicts  # never both
+        return next((v for v in verdicts if v is not None), None)
 
 
 @pytest.fixture(scope="module")
-def tenant_on() -> Policy:
-    return Policy(CASES["non-hostnetwork"], "-rdma-tenant")
+def tenant() -> Tenant:
+    return Tenant({})
+
+
+@pytest.fixture(scope="module")
+def tenant_on() -> Tenant:
+    return Tenant(CASES["non-hostnetwork"])
 
 
 def good_pod() -> dict[str, Any]:
@@ -97,7 +111,7 @@ def _first(messages: Optional[list[str]]) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(issue_matrix()))
-def test_the_issue_matrix_is_denied_naming_the_field(tenant: Policy, name: str) -> None:
+def test_the_issue_matrix_is_denied_naming_the_field(tenant: Tenant, name: str) -> None:
     pod, field = issue_matrix()[name]
     sub = "ephemeralcontainers" if "debug" in name else ""
     message = _first(tenant.evaluate(pod, operation="UPDATE" if sub else "CREATE", namespace_labels=TENANT, sub_resource=sub))
@@ -105,7 +119,7 @@ def test_the_issue_matrix_is_denied_naming_the_field(tenant: Policy, name: str) 
     assert "docs/security.md" in message
 
 
-def test_the_seed_jobs_and_the_chart_test_pod_are_admitted(tenant: Policy, tenant_on: Policy) -> None:
+def test_the_seed_jobs_and_the_chart_test_pod_are_admitted(tenant: Tenant, tenant_on: Tenant) -> None:
     jobs = example_jobs()
     for job in jobs.values():
         container = job["spec"]["template"]["spec"]["containers"][0]
@@ -120,7 +134,7 @@ def test_the_seed_jobs_and_the_chart_test_pod_are_admitted(tenant: Policy, tenan
     assert tenant.evaluate(plain_pod(), namespace_labels=TENANT) == []
 
 
-def test_host_network_only_for_rdma_pods_and_only_while_the_switch_is_off(tenant: Policy, tenant_on: Policy) -> None:
+def test_host_network_only_for_rdma_pods_and_only_while_the_switch_is_off(tenant: Tenant, tenant_on: Tenant) -> None:
     web = plain_pod()
     web["spec"]["hostNetwork"] = True
     assert "spec.hostNetwork: true is forbidden" in _first(tenant.evaluate(web, namespace_labels=TENANT))
@@ -134,7 +148,7 @@ def test_host_network_only_for_rdma_pods_and_only_while_the_switch_is_off(tenant
     assert _first(tenant.evaluate(pod, namespace_labels=TENANT)).startswith("spec.containers['train'].ports[].hostPort: 8080 ")
 
 
-def test_rdma_pods_only_in_namespaces_that_allow_rdma(tenant: Policy) -> None:
+def test_rdma_pods_only_in_namespaces_that_allow_rdma(tenant: Tenant) -> None:
     message = _first(tenant.evaluate(good_pod(), namespace="team-a", namespace_labels={}))
     assert "namespace 'team-a'" in message and f"kubectl label namespace team-a {LABEL}=true" in message
     assert _first(tenant.evaluate(good_pod(), namespace="team-a", namespace_labels={LABEL: "false"}))
@@ -143,7 +157,7 @@ def test_rdma_pods_only_in_namespaces_that_allow_rdma(tenant: Policy) -> None:
     assert tenant.evaluate(plain_pod({"privileged": True}), namespace="team-b") is None
 
 
-def test_only_creates_and_debug_containers_are_evaluated(tenant: Policy) -> None:
+def test_only_creates_and_debug_containers_are_evaluated(tenant: Tenant) -> None:
     bad = plain_pod({"privileged": True})
     assert tenant.evaluate(bad, operation="UPDATE", namespace_labels=TENANT, old=bad) is None  # fields immutable
     pod = good_pod()
@@ -151,7 +165,7 @@ def test_only_creates_and_debug_containers_are_evaluated(tenant: Policy) -> None
     assert tenant.evaluate(pod, operation="UPDATE", namespace_labels=TENANT, sub_resource="ephemeralcontainers") == []
 
 
-def test_the_plugin_pods_are_not_evaluated_in_their_own_namespace(tenant: Policy) -> None:
+def test_the_plugin_pods_are_not_evaluated_in_their_own_namespace(tenant: Tenant) -> None:
     for ds in (o for o in manifests({}) if o["kind"] == "DaemonSet"):
         pod = {"apiVersion": "v1", "kind": "Pod", **copy.deepcopy(ds["spec"]["template"])}
         assert tenant.evaluate(pod, namespace=NAMESPACE) is None
@@ -173,7 +187,7 @@ def test_the_plugin_pods_are_not_evaluated_in_their_own_namespace(tenant: Policy
          "metadata.annotations['container.apparmor.security.beta.kubernetes.io/web']: unconfined"),
     ],
 )
-def test_every_baseline_control(tenant: Policy, where: str, fix: dict[str, Any], field: str) -> None:
+def test_every_baseline_control(tenant: Tenant, where: str, fix: dict[str, Any], field: str) -> None:
     pod = plain_pod()
     if where == "pod":
         target = pod["spec"] if "hostIPC" in fix else pod["spec"].setdefault("securityContext", {})
@@ -190,20 +204,22 @@ def test_every_baseline_control(tenant: Policy, where: str, fix: dict[str, Any],
     [{"seccompProfile": {"type": "RuntimeDefault"}}, {"appArmorProfile": {"type": "Localhost", "localhostProfile": "p"}},
      {"seLinuxOptions": {"type": "container_t", "level": "s0:c1"}}, {"procMount": "Default"}, {"capabilities": {"drop": ["all"], "add": ["ipc_lock"]}}],
 )
-def test_what_baseline_allows_is_admitted(tenant: Policy, fix: dict[str, Any]) -> None:
+def test_what_baseline_allows_is_admitted(tenant: Tenant, fix: dict[str, Any]) -> None:
     pod = plain_pod()
     pod["spec"]["containers"][0]["securityContext"].update(fix)
     pod["spec"]["securityContext"] = {"sysctls": [{"name": "net.ipv4.ip_local_port_range", "value": "1024 65000"}]}
     assert tenant.evaluate(pod, namespace_labels=TENANT) == []
 
 
-def test_policy_shape(tenant: Policy) -> None:
+def test_policy_shape(tenant: Tenant) -> None:
+    for p in (tenant.inside, tenant.outside):
+        assert p.binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["key"] == LABEL
     (rule,) = tenant.policy["spec"]["matchConstraints"]["resourceRules"]
     assert rule["resources"] == ["pods", "pods/ephemeralcontainers"] and rule["operations"] == ["CREATE", "UPDATE"]
     assert tenant.binding["spec"]["validationActions"] == ["Deny"]
     assert all("\n" not in v.get("message", "") for v in tenant.policy["spec"]["validations"])
-    assert not [o for o in manifests(CASES["policy-off"]) if o["metadata"]["name"].endswith("-rdma-tenant")]
-    label = Policy({"admissionPolicy": {"tenantNamespaceLabel": "example.com/rdma"}}, "-rdma-tenant")
+    assert not [o for o in manifests(CASES["policy-off"]) if "-rdma-tenant" in o["metadata"]["name"]]
+    label = Tenant({"admissionPolicy": {"tenantNamespaceLabel": "example.com/rdma"}})
     assert label.evaluate(good_pod(), namespace_labels={"example.com/rdma": "true"}) == []
     assert label.evaluate(good_pod(), namespace_labels=TENANT)
 
