@@ -47,6 +47,28 @@ def test_no_host_dev_mount(case: str) -> None:
         assert args[args.index("--dev-root") + 1] == ""  # presence from sysfs, see cli.py
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_host_mounts_are_only_what_the_plugin_uses(case: str) -> None:
+    """Issue 39: every host path the device plugin mounts, and how: the kubelet's device-plugins dir
+    (its socket, kubelet.sock), four read-only pieces of /sys, and only when their feature is on the
+    CDI spec dir and the NFD features dir (written atomically: a temp file and a rename need the dir;
+    the runtimes do not scan CDI subdirectories, so cdi.hostDir is the way to a dedicated one)."""
+    values = CASES[case]
+    kubelet_dir = values.get("kubeletDir", "/var/lib/kubelet").rstrip("/")
+    for mode in ("shared", "exclusive"):
+        spec = _pod_spec(values, mode)
+        paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+        mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+        want = {"device-plugins": f"{kubelet_dir}/device-plugins", **{f"sys-{d}": f"/sys/{d}" for d in ("class", "devices", "bus", "module")}}
+        if values.get("cdi", {}).get("enabled"):
+            want["cdi"] = values["cdi"].get("hostDir", "/var/run/cdi")
+        if values.get("nfd", {}).get("enabled"):
+            want["nfd-features"] = "/etc/kubernetes/node-feature-discovery/features.d"
+        assert paths == want, (case, mode)
+        assert all(mounts[n].get("readOnly") is True for n in want if n.startswith("sys-"))
+        assert all(not mounts[n].get("readOnly") for n in want if not n.startswith("sys-"))
+
+
 @pytest.mark.parametrize("case,host_network", [("defaults", False), ("non-hostnetwork", True), ("metrics", False)])
 def test_host_network_only_for_the_non_host_network_checks(case: str, host_network: bool) -> None:
     for mode in ("shared", "exclusive"):
