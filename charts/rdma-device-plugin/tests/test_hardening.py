@@ -412,3 +412,45 @@ def test_readme_and_notes_true_for_every_combination(mode: str) -> None:
         assert ("RDMA works only for pods with hostNetwork: true" in notes) is must_host, row
         assert ("RDMA pods may keep their own network namespace" in notes) is not must_host, row
         assert f"default mode: {mode}" in notes
+
+
+# ------------------------------------------------------------------ the metrics NetworkPolicy
+
+
+PROMETHEUS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def test_metrics_network_policy_admits_only_the_scrapers_on_the_metrics_port() -> None:
+    """Issue 39: where NetworkPolicy applies (plugin pods in the pod network), only the listed peers
+    reach the plugin pods, and only their metrics port; nothing of it by default."""
+    import kubernetes_validate
+    from conftest import kube_minor_versions
+
+    assert not by_kind(manifests({"metrics": {"enabled": True}}), "NetworkPolicy")
+    values = {"metrics": {"enabled": True, "port": 9500, "networkPolicy": {"enabled": True, "from": PROMETHEUS}}}
+    objs = manifests(values)
+    policy = one(objs, "NetworkPolicy", "-metrics")
+    kubernetes_validate.validate(policy, kube_minor_versions()[-1], strict=True)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": PROMETHEUS, "ports": [{"port": 9500, "protocol": "TCP"}]}]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    for ds in daemonsets(values).values():  # it selects the plugin pods of both modes
+        labels = ds["spec"]["template"]["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in selector.items()), (selector, labels)
+    test_pod = one(objs, "Pod", "-test-allocation")
+    assert not all(test_pod["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"metrics": {"enabled": True, "networkPolicy": {"enabled": True}}}, "metrics.networkPolicy.from is empty"),
+        ({"metrics": {"networkPolicy": {"enabled": True, "from": PROMETHEUS}}}, "needs metrics.enabled=true"),
+        ({"hostNetwork": True, "metrics": {"enabled": True, "networkPolicy": {"enabled": True, "from": PROMETHEUS}}},
+         "NetworkPolicy does not apply to host-network pods"),
+        ({"nonHostNetwork": {"enabled": True}, "metrics": {"enabled": True, "networkPolicy": {"enabled": True, "from": PROMETHEUS}}},
+         "NetworkPolicy does not apply to host-network pods"),
+    ],
+)
+def test_metrics_network_policy_refused_where_it_cannot_work(values: dict[str, Any], needle: str) -> None:
+    assert needle in _render_error(values)
