@@ -68,7 +68,7 @@ prometheus-local: setup system-deps ## a real Prometheus with the chart's alerts
 	  [ -n "$$target" ] || { echo "the local plugin serves no metrics ($(LOCAL_STATE)): run make demo first" >&2; exit 1; }; \
 	  $(PY) scripts/prometheus_local.py --target $$target --node lingjun-node-0 --port 0 $(PROMETHEUS_ARGS)
 
-lint: setup ## ruff, mypy, yamllint, actionlint (workflows), ansible-lint, generated-code drift
+lint: setup ## ruff, mypy, yamllint, actionlint and zizmor (workflows), ansible-lint, generated-code drift
 	cd plugin_src && $(BIN)/ruff check src kubesim tests && $(BIN)/ruff format --check src kubesim tests
 	cd plugin_src && $(BIN)/mypy
 	$(BIN)/ruff check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py scripts/real_node.py && $(BIN)/ruff format --check --config plugin_src/pyproject.toml bench tests plugins/module_utils/rdma_node scripts/kube_cluster.py scripts/real_node.py
@@ -76,6 +76,7 @@ lint: setup ## ruff, mypy, yamllint, actionlint (workflows), ansible-lint, gener
 	$(BIN)/yamllint -s .
 	bash scripts/check-proto.sh
 	bash scripts/actionlint.sh
+	$(BIN)/zizmor --offline --no-progress .github/workflows  # workflow security: pinned actions, permissions, credentials
 	if [ -d roles ] && ls roles/*/tasks >/dev/null 2>&1; then $(BIN)/ansible-lint; fi
 
 test-plugin: setup kube ## plugin unit and integration tests (real gRPC over unix sockets)

@@ -130,3 +130,21 @@ def test_config_file_that_is_not_utf8_is_one_clear_error(tmp_path) -> None:  # t
     path.write_bytes(b"mode: \xff\xfe\n")
     with pytest.raises(ConfigError, match=r"not UTF-8 text .*write the file as UTF-8 YAML"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    "kind", ["nvidia.com/gpu", "nvidia.com/rdma", "k8s.io/hca", "gpu.intel.com/i915", "NVIDIA.com/gpu"]
+)
+def test_cdi_kind_of_another_vendor_is_refused(kind: str) -> None:
+    """Issue 39: the spec file is named after the kind, so nvidia.com/gpu would replace NVIDIA's spec
+    and point its devices at our NICs. Refused, naming the key, the vendor and the fix."""
+    with pytest.raises(ConfigError) as err:
+        load_config_text(f"cdi: {{enabled: true, kind: {kind}}}")
+    message = str(err.value)
+    assert "cdi.kind" in message and "e.g. rdma.lingjun.io/hca" in message
+    assert "another vendor" in message or "is not a CDI kind" in message  # upper case is no CDI vendor at all
+
+
+@pytest.mark.parametrize("kind", ["rdma.lingjun.io/hca", "example.com/rdma", "rdma.example.org/hca", "notnvidia.com/x"])
+def test_cdi_kind_of_your_own_domain_is_accepted(kind: str) -> None:
+    assert load_config_text(f"cdi: {{enabled: true, kind: {kind}}}").cdi.kind == kind

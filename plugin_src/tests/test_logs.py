@@ -121,3 +121,31 @@ def test_a_kubelet_restart_is_info_not_warning(
     assert any("kubelet restarted" in r["msg"] or "registering again" in r["msg"] for r in said), said
     loud = [r for r in said if r["level"] in ("warning", "error", "critical")]
     assert not loud, loud
+
+
+def test_text_log_values_are_quoted_when_they_could_split_or_fake_a_pair() -> None:
+    """Issue 39: ``k=v`` lines with a value holding spaces, quotes or ``=`` (an error text from a node,
+    a path) read as other pairs. Such values are written as JSON strings; plain ones stay bare."""
+    import logging
+    import re
+
+    from rdma_device_plugin.logs import TextFormatter
+
+    extra = {
+        "resource": "rdma/hca",
+        "error": 'no such file: "x" reason=fake',
+        "path": "/a b/c",
+        "empty": "",
+        "n": 3,
+        "nl": "a\nb",
+    }
+    record = logging.LogRecord("rdma", logging.INFO, __file__, 1, "msg", None, None)
+    record.__dict__.update(extra)
+    line = TextFormatter().format(record)
+    assert "\n" not in line
+    tail = line.split("msg", 1)[1]
+    pairs = dict(re.findall(r' ([a-z]+)=("(?:[^"\\]|\\.)*"|[^\s"]+)', tail))
+    assert list(pairs) == list(extra)  # no value split into, or faked, another pair
+    decoded = {k: json.loads(v) if v.startswith('"') else v for k, v in pairs.items()}
+    assert decoded == {k: str(v) for k, v in extra.items()}
+    assert pairs["resource"] == "rdma/hca" and pairs["n"] == "3"  # bare as before

@@ -208,3 +208,44 @@ def test_port_state_changes_are_counted(sim: KubeletSimulator, start_plugin, nod
 
 
 HEALTHY_COUNT = 1000
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("Threads:"))
+
+
+@pytest.mark.timeout(180)
+def test_two_thousand_idle_connections_neither_restart_the_plugin_nor_block_a_scrape(  # type: ignore[no-untyped-def]
+    sim: KubeletSimulator, start_plugin
+) -> None:
+    """Issue 39: prometheus_client's server started a thread per connection, so idle connections were
+    threads (and memory) without bound in a 128 Mi container. 2,000 real TCP connections that send
+    nothing: the plugin keeps its thread count, answers a scrape, and is the same process after."""
+    import resource
+
+    from rdma_device_plugin import metrics
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    port = _free_port()
+    plugin = start_plugin({"version": "v1"}, extra=["--metrics-address", f"127.0.0.1:{port}"])
+    assert sim.wait_registered(RES), plugin.output()
+    _scrape(port)
+    before = _threads(plugin.proc.pid)
+    idle = []
+    try:
+        for _ in range(2000):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        m = _scrape(port)  # a new connection makes room: the longest idle one is closed
+        assert _get(m, "rdma_dp_devices", resource=RES, health="Healthy") == 1000
+        assert _threads(plugin.proc.pid) <= before + metrics.WORKERS, (before, _threads(plugin.proc.pid))
+        # the oldest idle connections were closed by the plugin: reading them gives EOF at once
+        idle[0].settimeout(10)
+        assert idle[0].recv(1) == b""
+    finally:
+        for s in idle:
+            s.close()
+    assert plugin.proc.poll() is None, plugin.output()
+    assert _get(_scrape(port), "rdma_dp_devices", resource=RES, health="Healthy") == 1000

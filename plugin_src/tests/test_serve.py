@@ -215,3 +215,21 @@ def test_nic_usable_as_soon_as_its_uverbs_node_appears(
     assert sim.allocatable(RES) == 0
     uverbs.write_text("", encoding="utf-8")
     assert sim.wait_for(lambda: sim.allocatable(RES) == 1000, timeout=3)
+
+
+@pytest.mark.timeout(60)
+def test_the_socket_mode_is_explicit_not_the_umask(
+    sim: KubeletSimulator, node: fixtures.FixtureNode, dp_dir: Path, short_tmp: Path
+) -> None:
+    """Issue 39: a plugin started with umask 000 (a container's may be) serves a socket only root may
+    connect to (sockets.SOCKET_MODE), not a world-writable one."""
+    log = short_tmp / "umask.log"
+    with open(log, "w", encoding="utf-8") as fh:
+        proc = subprocess.Popen(serve_command(node, dp_dir), stdout=fh, stderr=subprocess.STDOUT, text=True, umask=0)
+        try:
+            assert sim.wait_registered("rdma/hca", timeout=30), log.read_text(encoding="utf-8")[-2000:]
+            mode = plugin_socket(dp_dir).stat().st_mode & 0o777
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+    assert sockets.SOCKET_MODE == 0o600 and mode == sockets.SOCKET_MODE, oct(mode)

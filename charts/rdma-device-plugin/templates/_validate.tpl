@@ -72,6 +72,15 @@ whose token every pod of the namespace gets */}}
 {{- if and $v.metrics.prometheusRule.enabled (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "monitoring.coreos.com/v1"))) }}
 {{- $errors = append $errors "metrics.prometheusRule.enabled=true needs the prometheus-operator API monitoring.coreos.com/v1, which this cluster does not serve; install prometheus-operator first, set metrics.prometheusRule.enabled=false, or with helm template pass --api-versions monitoring.coreos.com/v1" }}
 {{- end }}
+{{- if $v.metrics.networkPolicy.enabled }}
+{{- if not $v.metrics.enabled }}
+{{- $errors = append $errors "metrics.networkPolicy.enabled=true needs metrics.enabled=true (it guards the metrics port); set both" }}
+{{- else if or $v.hostNetwork $v.nonHostNetwork.enabled }}
+{{- $errors = append $errors "metrics.networkPolicy.enabled=true: the plugin pods use hostNetwork (hostNetwork or nonHostNetwork.enabled), and NetworkPolicy does not apply to host-network pods; set metrics.networkPolicy.enabled=false and guard the node's metrics port another way (docs/security.md)" }}
+{{- else if not $v.metrics.networkPolicy.from }}
+{{- $errors = append $errors "metrics.networkPolicy.from is empty, so nothing could scrape the metrics; list the peers of your Prometheus, e.g. [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}}]" }}
+{{- end }}
+{{- end }}
 {{- range $name := list "prometheusRule" "dashboard" }}
 {{- if and (index $v.metrics $name "enabled") (not $v.metrics.enabled) }}
 {{- $errors = append $errors (printf "metrics.%s.enabled=true needs metrics.enabled=true (its alerts/panels read the plugin's metrics); set both" $name) }}

@@ -47,6 +47,28 @@ def test_no_host_dev_mount(case: str) -> None:
         assert args[args.index("--dev-root") + 1] == ""  # presence from sysfs, see cli.py
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_host_mounts_are_only_what_the_plugin_uses(case: str) -> None:
+    """Issue 39: every host path the device plugin mounts, and how: the kubelet's device-plugins dir
+    (its socket, kubelet.sock), four read-only pieces of /sys, and only when their feature is on the
+    CDI spec dir and the NFD features dir (written atomically: a temp file and a rename need the dir;
+    the runtimes do not scan CDI subdirectories, so cdi.hostDir is the way to a dedicated one)."""
+    values = CASES[case]
+    kubelet_dir = values.get("kubeletDir", "/var/lib/kubelet").rstrip("/")
+    for mode in ("shared", "exclusive"):
+        spec = _pod_spec(values, mode)
+        paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+        mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+        want = {"device-plugins": f"{kubelet_dir}/device-plugins", **{f"sys-{d}": f"/sys/{d}" for d in ("class", "devices", "bus", "module")}}
+        if values.get("cdi", {}).get("enabled"):
+            want["cdi"] = values["cdi"].get("hostDir", "/var/run/cdi")
+        if values.get("nfd", {}).get("enabled"):
+            want["nfd-features"] = "/etc/kubernetes/node-feature-discovery/features.d"
+        assert paths == want, (case, mode)
+        assert all(mounts[n].get("readOnly") is True for n in want if n.startswith("sys-"))
+        assert all(not mounts[n].get("readOnly") for n in want if not n.startswith("sys-"))
+
+
 @pytest.mark.parametrize("case,host_network", [("defaults", False), ("non-hostnetwork", True), ("metrics", False)])
 def test_host_network_only_for_the_non_host_network_checks(case: str, host_network: bool) -> None:
     for mode in ("shared", "exclusive"):
@@ -71,10 +93,14 @@ def test_metrics_bind_the_downward_api_pod_ip(case: str) -> None:
 def test_pod_security_level_documented() -> None:
     assert "## Pod Security Admission" in README
     section = README.split("## Pod Security Admission", 1)[1].split("\n## ", 1)[0]
-    for needle in ("pod-security.kubernetes.io/enforce=privileged", "hostPath", "IPC_LOCK", "baseline", "hostNetwork"):
+    for needle in ("kubectl label namespace <namespace> rdma.lingjun.io/tenant=true", "hostPath", "IPC_LOCK", "baseline",
+                   "hostNetwork", "drops `ALL`", "docs/security.md"):
         assert needle in section, needle
+    # issue 39: no longer "label RDMA namespaces privileged": the tenant label, and the policy behind it
+    assert "enforce=privileged" not in section
     notes = render({})["rdma-device-plugin/templates/NOTES.txt"]
-    assert "pod-security.kubernetes.io/enforce=privileged" in notes
+    assert "enforce=privileged" not in notes
+    assert "kubectl label namespace <namespace> rdma.lingjun.io/tenant=true" in notes and "drop: [ALL], add: [IPC_LOCK]" in notes
 
 
 # ------------------------------------------------------------------ upgrades
@@ -386,3 +412,45 @@ def test_readme_and_notes_true_for_every_combination(mode: str) -> None:
         assert ("RDMA works only for pods with hostNetwork: true" in notes) is must_host, row
         assert ("RDMA pods may keep their own network namespace" in notes) is not must_host, row
         assert f"default mode: {mode}" in notes
+
+
+# ------------------------------------------------------------------ the metrics NetworkPolicy
+
+
+PROMETHEUS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def test_metrics_network_policy_admits_only_the_scrapers_on_the_metrics_port() -> None:
+    """Issue 39: where NetworkPolicy applies (plugin pods in the pod network), only the listed peers
+    reach the plugin pods, and only their metrics port; nothing of it by default."""
+    import kubernetes_validate
+    from conftest import kube_minor_versions
+
+    assert not by_kind(manifests({"metrics": {"enabled": True}}), "NetworkPolicy")
+    values = {"metrics": {"enabled": True, "port": 9500, "networkPolicy": {"enabled": True, "from": PROMETHEUS}}}
+    objs = manifests(values)
+    policy = one(objs, "NetworkPolicy", "-metrics")
+    kubernetes_validate.validate(policy, kube_minor_versions()[-1], strict=True)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": PROMETHEUS, "ports": [{"port": 9500, "protocol": "TCP"}]}]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    for ds in daemonsets(values).values():  # it selects the plugin pods of both modes
+        labels = ds["spec"]["template"]["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in selector.items()), (selector, labels)
+    test_pod = one(objs, "Pod", "-test-allocation")
+    assert not all(test_pod["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"metrics": {"enabled": True, "networkPolicy": {"enabled": True}}}, "metrics.networkPolicy.from is empty"),
+        ({"metrics": {"networkPolicy": {"enabled": True, "from": PROMETHEUS}}}, "needs metrics.enabled=true"),
+        ({"hostNetwork": True, "metrics": {"enabled": True, "networkPolicy": {"enabled": True, "from": PROMETHEUS}}},
+         "NetworkPolicy does not apply to host-network pods"),
+        ({"nonHostNetwork": {"enabled": True}, "metrics": {"enabled": True, "networkPolicy": {"enabled": True, "from": PROMETHEUS}}},
+         "NetworkPolicy does not apply to host-network pods"),
+    ],
+)
+def test_metrics_network_policy_refused_where_it_cannot_work(values: dict[str, Any], needle: str) -> None:
+    assert needle in _render_error(values)

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from conftest import CASES, CHART_DIR, kube_minor_versions
 from test_policy_cel import Policy, pod_of_job
+from test_tenant_policy import Tenant
 
 DOC = CHART_DIR.parents[1] / "docs" / "nccl.md"
 
@@ -56,3 +57,7 @@ def test_admission_policy_admits_each_job_in_its_mode() -> None:
     assert defaults.evaluate(host) == []
     assert switch_on.evaluate(pod_network) == []
     assert defaults.evaluate(pod_network)  # refused with the defaults: the doc says it needs the switch
+    # and the tenant policy admits both in a namespace that allows RDMA (the doc says to label it)
+    tenant = {"rdma.lingjun.io/tenant": "true"}
+    assert Tenant({}).evaluate(host, namespace_labels=tenant) == []
+    assert Tenant(CASES["non-hostnetwork"]).evaluate(pod_network, namespace_labels=tenant) == []

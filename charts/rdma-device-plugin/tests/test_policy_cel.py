@@ -33,6 +33,17 @@ class Policy:
             for v in spec["validations"]
         ]
 
+    def _selects(self, labels: dict[str, str]) -> bool:
+        """The binding's matchResources.namespaceSelector (matchExpressions), as the API server applies it."""
+        selector = self.binding["spec"].get("matchResources", {}).get("namespaceSelector", {})
+        for e in selector.get("matchExpressions", []):
+            found = labels.get(e["key"])
+            ok = {"In": found in e.get("values", []), "NotIn": found not in e.get("values", []),
+                  "Exists": found is not None, "DoesNotExist": found is None}[e["operator"]]
+            if not ok:
+                return False
+        return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
     @staticmethod
     def _compile(expression: str) -> Any:
         return ENV.program(ENV.compile(expression))
@@ -45,14 +56,23 @@ class Policy:
         return result
 
     def evaluate(self, pod: dict[str, Any], operation: str = "CREATE", namespace: str = "default",
-                 old: Optional[dict[str, Any]] = None) -> Optional[list[str]]:
+                 old: Optional[dict[str, Any]] = None, namespace_labels: Optional[dict[str, str]] = None,
+                 sub_resource: str = "") -> Optional[list[str]]:
         """None when the policy does not apply (a matchCondition is false), else the violation messages.
-        The API server denies with the first of them only (test_real_cluster.py shows it)."""
+        The API server denies with the first of them only (test_real_cluster.py shows it).
+        namespace_labels: the labels of the request's namespace (namespaceObject)."""
+        if not self._selects(namespace_labels or {}):
+            return None
         kind = pod.get("kind", "Pod")
+        ns_object: dict[str, Any] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+        if namespace_labels is not None:
+            ns_object["metadata"]["labels"] = namespace_labels
         activation: dict[str, Any] = {
             "object": celpy.json_to_cel(pod),
             "oldObject": celpy.json_to_cel(old),
-            "request": celpy.json_to_cel({"operation": operation, "namespace": namespace, "kind": {"group": "", "version": "v1", "kind": kind}}),
+            "namespaceObject": celpy.json_to_cel(ns_object),
+            "request": celpy.json_to_cel({"operation": operation, "namespace": namespace, "subResource": sub_resource,
+                                          "kind": {"group": "", "version": "v1", "kind": kind}}),
         }
         for _name, program in self.conditions:
             if not self._run(program, activation):
@@ -116,7 +136,8 @@ def test_examples_are_the_seed_jobs() -> None:
     for job in jobs.values():
         container = job["spec"]["template"]["spec"]["containers"][0]
         assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "rdma/hca": 1}
-        assert set(container["securityContext"]["capabilities"]["add"]) == {"SYS_RESOURCE", "IPC_LOCK"}
+        # the seed's SYS_RESOURCE is gone: IPC_LOCK lifts the memlock limit, and the tenant policy allows no other
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
 
 
 def test_seed_hostnetwork_job_allowed_either_way(switch_off: Policy, switch_on: Policy) -> None:
@@ -351,7 +372,8 @@ def test_workload_policies_only_warn_and_cover_every_controller() -> None:
     assert Policy({}).binding["spec"]["validationActions"] == ["Deny"]
     objs = manifests({"admissionPolicy": {"warnWorkloads": False}})
     names = [o["metadata"]["name"] for o in by_kind(objs, "ValidatingAdmissionPolicy")]
-    assert names == ["rdma-rdma-device-plugin-rdma-pods", "rdma-rdma-device-plugin-rdma-pods-advice"]
+    assert names == ["rdma-rdma-device-plugin-rdma-pods", "rdma-rdma-device-plugin-rdma-pods-advice",
+                     "rdma-rdma-device-plugin-rdma-tenant", "rdma-rdma-device-plugin-rdma-tenant-outside"]
 
 
 def test_workload_warning_keeps_audit() -> None:
@@ -384,7 +406,7 @@ def test_policy_needs_the_v1_api_and_says_so() -> None:
 
 def test_policy_rendered_when_the_cluster_serves_it() -> None:
     objs = parse(render_raw({}, kube_version="v1.30.0", api_versions=tuple(VAP_KINDS)))
-    assert len(by_kind(objs, "ValidatingAdmissionPolicy")) == 4  # pods, pods-advice, workloads, cronjobs
+    assert len(by_kind(objs, "ValidatingAdmissionPolicy")) == 6  # pods, pods-advice, workloads, cronjobs, tenant(-outside)
 
 
 def test_offline_render_falls_back_to_the_kube_version() -> None:

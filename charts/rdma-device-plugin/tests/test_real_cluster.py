@@ -19,6 +19,7 @@ import pytest
 import yaml
 from conftest import CASES, CHART_DIR, example_jobs
 from test_policy_cel import Policy, caps_pod, pod_of_job, rdma_pod
+from test_tenant_policy import DRA, LABEL as TENANT_LABEL, TENANT, Tenant, claim, dra_objects, good_pod, issue_matrix
 
 sys.path.insert(0, str(CHART_DIR.parents[1] / "scripts"))
 pytest.register_assert_rewrite("kube_pytest")
@@ -123,13 +124,28 @@ def _matrix() -> dict[str, dict[str, Any]]:
 INVALID = {"requests-only"}  # refused by the API server's validation of the object itself
 
 
-def _server_verdict(kube: Kube, pod: dict[str, Any]) -> str | None:
-    """None when the API server admits the pod (dry run), else its error text."""
-    r = kube.kubectl("create", "--dry-run=server", "-n", "default", "-f", "-", input=json.dumps(pod), check=False)
+def _server_verdict(kube: Kube, pod: dict[str, Any], namespace: str = "default") -> str | None:
+    """None when the API server admits the object (dry run), else its error text."""
+    r = kube.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-", input=json.dumps(pod), check=False)
     if r.returncode == 0:
         return None
     assert "denied request" in r.stderr or "is invalid" in r.stderr, r.stderr
     return r.stderr
+
+
+def _agrees(got: str | None, policies: list[Any], obj: dict[str, Any], **kw: Any) -> bool:
+    """The API server denies when any policy does, with the first message of one of the denying ones
+    (it evaluates every binding and reports one denial: dispatcher.go deniedDecisions[0])."""
+    firsts = [m[0] for m in (p.evaluate(obj, **kw) for p in policies) if m]
+    return (got is not None) == bool(firsts) and (not firsts or any(f"denied request: {f}" in (got or "") for f in firsts))
+
+
+def _tenant_namespace(kube: Kube, name: str) -> str:
+    """A namespace that allows RDMA (the tenant label), created once per cluster."""
+    if kube.kubectl("get", "namespace", name, check=False).returncode != 0:
+        kube.kubectl("create", "namespace", name)
+    kube.kubectl("label", "namespace", name, f"{TENANT_LABEL}=true", "--overwrite")
+    return name
 
 
 @pytest.mark.parametrize("case", ["defaults", "non-hostnetwork"])
@@ -147,21 +163,78 @@ def test_the_admission_policy_decides_in_the_api_server_as_cel_python_does(kube:
         assert wait_for(lambda: _server_verdict(kube, probe) is not None, timeout=60), "the policy never took effect"
         checked = disagreements = 0
         report = []
+        tenant = Tenant(INSTALLS[case])
         for name, pod in matrix.items():
             got = _server_verdict(kube, pod)
             if name in INVALID:
                 ok = got is not None and "Limit must be set" in got
             else:
-                expected = policy.evaluate(pod)
-                denied = bool(expected)
-                ok = (got is not None) == denied and (not denied or f"denied request: {expected[0]}" in (got or ""))
+                ok = _agrees(got, [policy, tenant], pod)
             checked += 1
             if not ok:
                 disagreements += 1
-                report.append(f"{name}: cel-python {policy.evaluate(pod)!r}, API server {got!r}")
+                report.append(f"{name}: cel-python {policy.evaluate(pod)!r} {tenant.evaluate(pod)!r}, API server {got!r}")
         assert disagreements == 0, "\n".join(report)
         assert checked == len(matrix) >= 20
     finally:
+        uninstall(kube)
+
+
+def test_the_tenant_policy_decides_in_the_api_server_as_cel_python_does(kube: Kube) -> None:
+    """The issue's pods (a privileged rdma/hca pod, hostPID with a hostPath of /, NET_ADMIN, SYS_ADMIN, a
+    privileged non-RDMA pod, a claim-only pod) in a namespace that allows RDMA, a privileged debug
+    container added to a running RDMA pod, and claims of the chart's DeviceClasses in a namespace that
+    does not: each denied by the real API server, with the message naming the field that cel-python's
+    evaluation of the same policies gives first. The seed's Jobs are admitted."""
+    values = {**DRA, "nodeSelector": {"rdma.test/no-such-node": "true"}}  # the policies, no plugin pods
+    install(kube, values)
+    try:
+        ns = _tenant_namespace(kube, "rdma-tenant")
+        objs = dra_objects(values)
+        policies = [Policy(values, "-rdma-pods", objs), Tenant(values, objs)]
+        probe = issue_matrix()["privileged-non-rdma"][0]
+        assert wait_for(lambda: _server_verdict(kube, probe, ns) is not None, timeout=60), "the policy never took effect"
+        report = []
+        for name, (pod, field) in issue_matrix().items():
+            if "debug" in name:
+                continue
+            pod["metadata"]["name"] = "t-" + name
+            got = _server_verdict(kube, pod, ns)
+            if not (got and f"denied request: {field}" in got and _agrees(got, policies, pod, namespace=ns, namespace_labels=TENANT)):
+                report.append(f"{name}: API server {got!r}, cel-python {[p.evaluate(pod, namespace=ns, namespace_labels=TENANT) for p in policies]!r}")
+        for name, job in example_jobs().items():
+            pod = pod_of_job(job)
+            pod["metadata"]["name"] = "t-" + name
+            got = _server_verdict(kube, pod, ns)
+            expected = _agrees(got, policies, pod, namespace=ns, namespace_labels=TENANT)
+            if not expected or (name == "rdma-hostnetwork-test" and got is not None):
+                report.append(f"{name}: API server {got!r}")
+        # a debug container through the ephemeralcontainers subresource of a running RDMA pod
+        pod = good_pod()
+        pod["metadata"] = {"name": "t-debug-target"}
+        kube.kubectl("create", "-n", ns, "-f", "-", input=json.dumps(pod))
+        live = kube.get("pod", "t-debug-target", "-n", ns)
+        debug, field = issue_matrix()["privileged-debug-container"]
+        patch = {"spec": {"ephemeralContainers": debug["spec"]["ephemeralContainers"]}}
+        r = kube.kubectl("patch", "pod", "t-debug-target", "-n", ns, "--subresource=ephemeralcontainers", "--type=strategic",
+                         "-p", json.dumps(patch), "--dry-run=server", check=False)
+        live["spec"]["ephemeralContainers"] = patch["spec"]["ephemeralContainers"]
+        # (-rdma-pods matches pods, not the subresource)
+        if r.returncode == 0 or f"denied request: {field}" not in r.stderr or not _agrees(
+                r.stderr, policies[1:], live, operation="UPDATE", namespace=ns, namespace_labels=TENANT, sub_resource="ephemeralcontainers"):
+            report.append(f"debug container: {r.returncode} {r.stderr!r}")
+        # claims of the chart's classes outside a namespace that allows RDMA
+        for kind, suffix in (("ResourceClaim", "-rdma-claims"), ("ResourceClaimTemplate", "-rdma-claim-templates")):
+            obj = claim(kind, ["nic.rdma.lingjun.io"])
+            policy = Policy(values, suffix, objs)
+            got = _server_verdict(kube, obj, "default")
+            if not (got and "DeviceClass 'nic.rdma.lingjun.io'" in got and _agrees(got, [policy], obj, namespace_labels={})):
+                report.append(f"{kind} in default: API server {got!r}")
+            if _server_verdict(kube, obj, ns) is not None:
+                report.append(f"{kind} in {ns}: denied")
+        assert not report, "\n".join(report)
+    finally:
+        kube.kubectl("delete", "pod", "t-debug-target", "-n", "rdma-tenant", "--ignore-not-found", "--wait=false", check=False)
         uninstall(kube)
 
 

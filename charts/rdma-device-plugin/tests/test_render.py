@@ -4,6 +4,7 @@ schemas of every minor the chart supports; lint strictly; check the shape of wha
 from __future__ import annotations
 
 import hashlib
+import json
 import tomllib
 
 import helm_python
@@ -371,3 +372,16 @@ def test_notes_mention_checks() -> None:
     assert "hostNetwork: true" in notes
     notes_on = render(CASES["non-hostnetwork"])["rdma-device-plugin/templates/NOTES.txt"]
     assert "nonHostNetwork.enabled=true" in notes_on
+
+
+def test_issm_warns_that_a_pod_becomes_the_subnet_manager() -> None:
+    """Issue 39: charDevices.issm lets every RDMA pod act as the InfiniBand subnet manager: the values
+    comment, the schema's description (what editors show) and NOTES say so; NOTES only when it is on."""
+    notes = {on: render({"charDevices": {"issm": on}})["rdma-device-plugin/templates/NOTES.txt"] for on in (True, False)}
+    assert "WARNING: charDevices.issm=true" in notes[True] and "subnet manager" in notes[True]
+    assert "issm" not in notes[False]
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    assert "subnet manager" in schema["properties"]["charDevices"]["properties"]["issm"]["description"]
+    values = (CHART_DIR / "values.yaml").read_text()
+    assert "WARNING: with issm a pod can set the IsSM bit" in values
+    assert "issm lets a pod act as the IB subnet manager" in (CHART_DIR.parents[1] / "docs" / "configuration.md").read_text()

@@ -31,6 +31,25 @@ _HEX_ID = re.compile(r"^(0x)?[0-9a-fA-F]{4}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RELEASE = re.compile(r"^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)([-+][0-9A-Za-z.+-]*)?$")
 _CDI_KIND = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$")
+# Vendor domains whose CDI kinds other plugins and runtimes write (GPU and NIC vendors, Kubernetes,
+# the runtimes): a spec file is named after its kind, so one of theirs would be replaced by ours,
+# and a runtime would resolve their devices to our NICs. Subdomains count too.
+FOREIGN_CDI_VENDORS = (
+    "nvidia.com",
+    "mellanox.com",
+    "amd.com",
+    "intel.com",
+    "habana.ai",
+    "xilinx.com",
+    "google.com",
+    "amazonaws.com",
+    "microsoft.com",
+    "k8s.io",
+    "kubernetes.io",
+    "openshift.io",
+    "containerd.io",
+    "cri-o.io",
+)
 
 
 class ConfigError(ValueError):
@@ -285,6 +304,13 @@ class CdiConfig(_Strict):
         if not _CDI_KIND.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a CDI kind; write it as <vendor domain>/<class>, e.g. rdma.lingjun.io/hca"
+            )
+        vendor = value.split("/", 1)[0]
+        foreign = next((d for d in FOREIGN_CDI_VENDORS if vendor == d or vendor.endswith("." + d)), None)
+        if foreign is not None:
+            raise ValueError(
+                f"{value!r} names a CDI kind of another vendor ({foreign}): its spec file would be replaced by this"
+                " plugin's and its devices resolved to RDMA NICs; use a domain of your own, e.g. rdma.lingjun.io/hca"
             )
         return value
 

@@ -43,7 +43,18 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         base = super().format(record)
         extra = {k: v for k, v in vars(record).items() if k not in _RESERVED}
-        return base + "".join(f" {k}={v}" for k, v in extra.items())
+        return base + "".join(f" {k}={quote(v)}" for k, v in extra.items())
+
+
+_BARE = re.compile(r"^[^\s\"\\=]+$")
+
+
+def quote(value: object) -> str:
+    """A value of a text log line as logfmt writes it: bare when it has no space, quote, backslash or
+    ``=``, else a JSON string (``k="v with spaces"``), so a value (a path, an error text from a node)
+    can neither split into more pairs nor fake one."""
+    text = str(value)
+    return text if _BARE.match(text) and text.isprintable() else json.dumps(text)
 
 
 def names(items: Sequence[str], shown: int = 4) -> str:

@@ -1,8 +1,8 @@
 """Prometheus metrics (``--metrics-address HOST:PORT``; off by default).
 
 A :class:`MetricsHooks` (the server's ``Hooks`` observer) owns its own registry and
-serves it over HTTP with prometheus_client's threaded WSGI server bound to the given
-address only. The metrics, their labels and the alerts built on them are listed in one
+serves it over HTTP (:class:`BoundedHTTPServer`: prometheus_client's WSGI app in bounded threads)
+bound to the given address only. The metrics, their labels and the alerts built on them are listed in one
 table: docs/operations.md ("Metrics"). Gauges that describe state are read at scrape time from
 what the supervisor last published (published.NodeView, the loops' heartbeats): immutable, so a
 scrape takes no lock the supervisor or the gRPC loop takes. Allocate is counted on the gRPC loop
@@ -18,11 +18,19 @@ time (:mod:`.port_counters`) for the NICs of the last published re-list.
 from __future__ import annotations
 
 import bisect
+import collections
+import concurrent.futures
+import contextlib
+import selectors
+import socket
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -35,6 +43,15 @@ from .resources import ResourcePool
 from .server import Hooks
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+# The HTTP server's bounds (issue 39): prometheus_client's own server starts a thread per connection,
+# so 2,000 idle connections were 2,000 threads in a 128 Mi container. Here one thread waits on every
+# open connection (selectors), at most MAX_CONNECTIONS stay open (a new one closes the longest idle),
+# an idle one is closed after IDLE_SECONDS, and WORKERS threads answer the requests that arrived.
+MAX_CONNECTIONS = 64
+IDLE_SECONDS = 10.0
+REQUEST_SECONDS = 5.0
+WORKERS = 2
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -283,12 +300,102 @@ class MetricsHooks(Hooks):
 
     def serve(self, address: str) -> tuple[str, int]:
         host, port = parse_address(address)
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        server = BoundedHTTPServer(host, port, make_wsgi_app(self.registry))
         self._server = server
-        return host, int(server.server_address[1])
+        return host, server.port
 
     def stop(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
+            server.close()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = REQUEST_SECONDS  # a request that stalls is cut, its worker freed
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class BoundedHTTPServer:
+    """The metrics endpoint in bounded threads and memory, whatever clients open (see MAX_CONNECTIONS)."""
+
+    def __init__(self, host: str, port: int, app: Any) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, port))
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self.port = int(self._listener.getsockname()[1])
+        # wsgiref's environ and app holder, never bound: the handlers only read them
+        self._wsgi = WSGIServer((host, self.port), _QuietHandler, bind_and_activate=False)
+        self._wsgi.server_name, self._wsgi.server_port = host, self.port
+        self._wsgi.setup_environ()
+        self._wsgi.set_app(app)
+        self._wsgi.socket.close()  # the unbound socket socketserver made
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._idle: collections.OrderedDict[socket.socket, float] = collections.OrderedDict()  # oldest first
+        self._workers = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="metrics")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="metrics-http", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=1.0):
+                if key.fileobj is self._listener:
+                    self._accept()
+                else:
+                    conn = key.fileobj
+                    assert isinstance(conn, socket.socket)
+                    self._forget(conn)
+                    self._workers.submit(self._answer, conn)
+            deadline = time.monotonic() - IDLE_SECONDS
+            while self._idle and next(iter(self._idle.values())) < deadline:
+                self._drop(next(iter(self._idle)))
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # EMFILE and the like: the next select tries again
+                return
+            if len(self._idle) >= MAX_CONNECTIONS:
+                self._drop(next(iter(self._idle)))  # the longest idle makes room
+            conn.setblocking(False)
+            self._selector.register(conn, selectors.EVENT_READ)
+            self._idle[conn] = time.monotonic()
+
+    def _forget(self, conn: socket.socket) -> None:
+        self._idle.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._forget(conn)
+        conn.close()
+
+    def _answer(self, conn: socket.socket) -> None:
+        """One request, then the connection is closed (HTTP/1.0, as prometheus_client's server)."""
+        try:
+            conn.setblocking(True)
+            _QuietHandler(conn, conn.getpeername(), self._wsgi)
+        except OSError:
+            pass  # the client went away, or timed out mid-request
+        finally:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for conn in list(self._idle):
+            self._drop(conn)
+        self._selector.close()
+        self._listener.close()
+        self._workers.shutdown(wait=True, cancel_futures=True)

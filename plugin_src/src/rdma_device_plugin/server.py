@@ -375,6 +375,7 @@ class PluginServer:
         for path in (self.path, self.path + sockets.RETIRING):
             with contextlib.suppress(FileNotFoundError):
                 self._inode = os.lstat(path).st_ino
+                os.chmod(path, sockets.SOCKET_MODE)
                 break
         else:
             _Loop.run(server.stop(0))

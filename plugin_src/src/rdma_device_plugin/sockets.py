@@ -38,6 +38,11 @@ from dataclasses import dataclass
 
 from .kubeletapi import MAX_SOCKET_PATH
 
+# The mode of every socket the plugin serves, set right after the bind rather than left to the process
+# umask (a container's is often 0022 or 0000): only root, i.e. the kubelet, may connect. The directory
+# (the kubelet's device-plugins, 0750 root) already keeps others out during the bind.
+SOCKET_MODE = 0o600
+
 PREFIX = "rdma-dp-"
 SUFFIX = ".sock"
 RETIRING = ".retiring"  # appended by the newer instance that took over (see above)
