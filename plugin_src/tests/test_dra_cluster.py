@@ -258,7 +258,7 @@ def test_a_metadata_edit_rewrites_nothing_and_counters_are_written_first(api: Ap
     try:
         after = wait_for(
             "mlx5_bond_0 tainted",
-            lambda: _taints(api, shared)["mlx5-bond-0"] and complete(api.slices(shared.name)),
+            lambda: _taints(api, shared).get(DEV["mlx5_bond_0"]) and complete(api.slices(shared.name)),
         )
         assert {s["spec"]["pool"]["generation"] for s in after} == {generation + 1}  # none for the label
         by_kind = {s["metadata"]["labels"]["rdma.lingjun.io/slice"]: s for s in after}

@@ -116,7 +116,9 @@ def plugin_pod(kube: Kube, mode: str = "shared") -> dict[str, Any]:
 
 @pytest.fixture(scope="module", autouse=True)
 def namespace(kube: Kube, real_node: RealNode) -> None:
+    """The tenants' namespace: labelled as allowing RDMA (the chart's tenant policy, docs/security.md)."""
     kube.kubectl("create", "namespace", NS, check=False)
+    kube.kubectl("label", "namespace", NS, "rdma.lingjun.io/tenant=true", "--overwrite")
 
 
 def test_the_node_is_a_real_kubelet_on_containerd(kube: Kube, real_node: RealNode) -> None:
