@@ -145,6 +145,7 @@ def read_args(var, defined, fleet=False):
         "counter_max": var("rdma_nic_validate_counter_max"),
         "counter_watch": var("rdma_nic_validate_counter_watch"),
         "counter_interval": var("rdma_nic_validate_counter_interval"),
+        "counter_window": opt("rdma_nic_validate_counter_window"),
         "counter_baseline_dir": (f"{var('rdma_validation_report_dir')}/counters")
         if flag("rdma_nic_validate_counter_baseline")
         else None,
