@@ -27,8 +27,8 @@ description:
     of the node is read, and since the previous run's values, I(counter_baseline)), never by their
     lifetime totals. The action plugin beside this module keeps those values on the controller
     (I(counter_baseline_dir)). The node keeps its own last counter samples
-    (C(<host_root>/var/tmp/lingjun-rdma-counters-<uid>.json)): a read within I(counter_window) of
-    one compares with it and does not wait I(counter_interval).
+    (C(<host_root>/var/tmp/lingjun-rdma-counters-<uid>.json)), and a read within I(counter_window)
+    of one compares with it and does not wait I(counter_interval).
   - The roots are parameters so tests can point them at kernel-shaped fixture trees.
 version_added: "0.1.0"
 author: rdma-device-plugin maintainers
