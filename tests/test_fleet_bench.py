@@ -41,27 +41,31 @@ def test_fake_facts_give_the_real_report(tmp_path: Path) -> None:
 
 
 def test_the_restated_fleet_figure_is_read_from_two_fleet_sizes(tmp_path: Path) -> None:
-    """Issue 32: the controller's CPU per extra host is the slope between two sizes (what each host adds),
-    not the mean (which spreads the once-per-run work over the hosts)."""
+    """Issue 40: the controller's CPU per extra host is the slope between two sizes (what each host adds),
+    not the mean (which spreads the once-per-run work over the hosts), set against ping's in ms, the main
+    process and the workers apart; a meta task's row counts every host it ran for."""
     load = (0.0, 0.0, 0.0)
-    figures = [  # hosts, phase, wall, total CPU, RSS, load, module CPU, once-per-run CPU, its tasks
-        fleet.Figure(500, "ping", 1, 300.0, 1, load, 250.0),
-        fleet.Figure(2000, "ping", 1, 1200.0, 1, load, 1000.0),  # controller: 50 -> 200 s: 0.1 s per extra host
-        fleet.Figure(500, "validate", 1, 560.0, 1, load, 400.0, 6.0, (("Write the fleet report", 3.0),)),
-        fleet.Figure(2000, "validate", 1, 2240.0, 1, load, 1600.0, 21.0, (("Write the fleet report", 12.0),)),
+    figures = [  # hosts, phase, wall, total CPU, RSS, load, module CPU, once-per-run CPU, its tasks, main CPU
+        fleet.Figure(500, "ping", 1, 300.0, 1, load, 250.0, None, (), 20.0),
+        fleet.Figure(2000, "ping", 1, 1200.0, 1, load, 1000.0, None, (), 80.0),  # controller: 0.1 s per extra host
+        fleet.Figure(500, "validate", 1, 560.0, 1, load, 400.0, 6.0, (("Write the fleet report", 3.0),), 50.0),
+        fleet.Figure(2000, "validate", 1, 2240.0, 1, load, 1600.0, 21.0, (("Write the fleet report", 12.0),), 170.0),
     ]
     text = fleet.slopes(figures)
     assert text.startswith(
-        "Controller CPU per extra host, 500 -> 2000 hosts (the slope): validate 0.320 s, ping 0.100 s"
-    )
-    assert "3.20x (goal <= 1.2x)" in text
+        "validate: controller CPU per extra host, 500 -> 2000 hosts (the slope): 0.320 s, ping 0.100 s: +220.0 ms "
+        "(goal <= +30 ms at the defaults, <= +20 ms with counter_interval=0). Main process: validate 80.0 ms, ping "
+        "40.0 ms; workers: validate 240.0 ms, ping 60.0 ms. Once-per-run work per extra host: +10.0 ms (goal <= 3 ms)."
+    ), text
     assert "| 2000 | 21.0 | Write the fleet report 12.0 s | 0.800 / 0.500 | +0.300 |" in text
     assert fleet.slopes(figures[:1] + figures[2:3]) == ""  # one size: no slope
     lines = [{"play": "p", "task": "Write the fleet report", "hosts": 1, "wall_s": 3.2, "cpu_s": 3.0},
              {"play": "p", "task": "Read the node", "hosts": 500, "wall_s": 90, "cpu_s": 80.0},
-             {"play": "p", "task": "Label", "hosts": 1, "wall_s": 2.5, "cpu_s": 2.0}]  # fmt: skip
+             {"play": "p", "task": "Nothing to read here (meta)", "hosts": 500, "wall_s": 1, "cpu_s": 1.0},
+             {"play": "p", "task": "Label", "hosts": 1, "wall_s": 2.5, "cpu_s": 2.0},
+             {"main_cpu_s": 42.5}]  # fmt: skip
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert fleet.task_cpu(tmp_path / "t.jsonl") == (5.0, (("Write the fleet report", 3.0), ("Label", 2.0)))
+    assert fleet.task_cpu(tmp_path / "t.jsonl") == (5.0, (("Write the fleet report", 3.0), ("Label", 2.0)), 42.5)
 
 
 def test_the_fleet_bench_runs_against_a_real_api_server(tmp_path: Path) -> None:
@@ -71,3 +75,38 @@ def test_the_fleet_bench_runs_against_a_real_api_server(tmp_path: Path) -> None:
     figures = fleet.bench(6, 6, ["validate", "verify"], False, tmp_path / "run", (), "real")
     assert [f.phase for f in figures] == ["validate", "verify (kube-apiserver v1.37.2)"]
     assert not (tmp_path / "run" / "cluster" / "state.json").exists(), "the bench's cluster was left running"
+
+
+META_PLAY = """
+- name: A meta task on every host, then one task on one host
+  hosts: all
+  gather_facts: false
+  tasks:
+    - name: Nothing to do here
+      ansible.builtin.meta: end_host
+      when: inventory_hostname == 'nobody'
+    - name: Once
+      ansible.builtin.debug:
+        msg: once
+      run_once: true
+"""
+
+
+def test_the_bench_callback_counts_a_meta_task_once_for_every_host(tmp_path: Path) -> None:
+    """Issue 40: ansible-core starts a meta task once per host, which made one row per host, each counted as
+    once-per-run work (40 rows of the control host's end_host at 40 hosts)."""
+    (tmp_path / "play.yml").write_text(META_PLAY)
+    hosts = {f"h{i}": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable} for i in range(3)}
+    (tmp_path / "hosts.json").write_text(json.dumps({"all": {"hosts": hosts}}))
+    rows = tmp_path / "tasks.jsonl"
+    run = run_playbook(
+        "-i", str(tmp_path / "hosts.json"), str(tmp_path / "play.yml"),
+        RDMA_FLEET_TASKS=str(rows), ANSIBLE_CALLBACK_PLUGINS=str(fleet.TASK_CALLBACK),
+        ANSIBLE_CALLBACKS_ENABLED="rdma_fleet_tasks",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    got = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [(r["task"], r["hosts"]) for r in got[:-1]] == [("Nothing to do here", 3), ("Once", 1)], got
+    assert got[-1]["main_cpu_s"] > 0
+    _, top, main = fleet.task_cpu(rows)
+    assert [name for name, _ in top] == ["Once"] and main == got[-1]["main_cpu_s"]

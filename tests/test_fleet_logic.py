@@ -208,3 +208,19 @@ def test_the_default_node_name_is_the_host_without_templating() -> None:
     hosts = Hosts({"hostvars": hostvars})
     assert [hosts.node_name(h) for h in "abcd"] == ["a", "b", "c.example", "d"]
     assert hostvars.templated == 1  # only the template that is more than the host's name
+
+
+def test_labels_patch_a_node_only_when_more_than_the_time_changed() -> None:
+    """Issue 40: validate.yml's validated-at annotation is a stamp: a run that changes no verdict sends no
+    patch (one PATCH per node per run before), a changed label or a node without the stamp gets both."""
+    from ansible_collections.lingjun.rdma.plugins.modules.rdma_node_labels import _changes
+
+    stamp = fleet.VALIDATED_AT_ANNOTATION
+    want = {"labels": {fleet.VALIDATED_LABEL: "true"}, "annotations": {stamp: "2026-12-07T10:00:00Z"}}
+    old = {"labels": {fleet.VALIDATED_LABEL: "true"}, "annotations": {stamp: "2026-12-01T10:00:00Z"}}
+    assert _changes({"metadata": old}, want, [stamp]) is None
+    assert _changes({"metadata": old}, want) == {"metadata": {"annotations": want["annotations"]}}  # not a stamp
+    failed = {**old, "labels": {fleet.VALIDATED_LABEL: "false"}}
+    assert _changes({"metadata": failed}, want, [stamp]) == {"metadata": want}
+    unstamped = {"labels": old["labels"]}
+    assert _changes({"metadata": unstamped}, want, [stamp]) == {"metadata": {"annotations": want["annotations"]}}

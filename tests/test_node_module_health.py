@@ -117,3 +117,23 @@ def test_bad_options_name_the_option(tmp_path: Path) -> None:
         run = _run(node, **options)
         result = _result(run)
         assert result.get("failed") and message in result["msg"], (options, result.get("msg"))
+
+
+def test_the_node_keeps_its_counter_samples_and_the_next_run_compares_with_them(tmp_path: Path) -> None:
+    """Issue 40: a run does not wait for the counters to move when the node kept a sample of an earlier
+    read (within counter_window): errors between the two runs are caught, where two reads within the
+    second run alone (after the errors) would see none."""
+    node = fixtures.write_node(str(tmp_path / "n"), fixtures.lingjun_node(nics=2))
+    options = {"counter_interval": 1, "counter_baseline": None}
+    first = _result(_run(node, **options))
+    assert first["node"]["summary"]["rdma_node_health"]["health"] == "passed", first
+    kept = json.loads(next(Path(node.root, "var", "tmp").glob("lingjun-rdma-counters-*.json")).read_text())
+    assert len(kept["samples"]) == 2 and "symbol_error" in kept["names"]
+    node.bump_counter("mlx5_bond_1", "symbol_error", by=5)
+    second = _result(_run(node, **options))
+    bad = [r["message"] for r in second["node"]["checks"]["rdma_node_health"] if not r["passed"]]
+    assert len(bad) == 1, bad
+    assert bad[0].startswith("mlx5_bond_1: error counters grew: port 1 symbol_error 0 -> 5 within "), bad
+    # counter_window 0: no kept sample is used, the second read is taken within this run (after the errors)
+    third = _result(_run(node, **options, counter_window=0))
+    assert third["node"]["summary"]["rdma_node_health"]["health"] == "passed", third

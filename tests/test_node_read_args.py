@@ -28,7 +28,7 @@ def role_defaults() -> dict[str, Any]:
     return found
 
 
-def args_of(**variables: Any) -> dict[str, Any]:
+def args_of(fleet: bool = True, **variables: Any) -> dict[str, Any]:
     """read_args over the role defaults (their templates replaced by what they render to) and ``variables``."""
     values = {
         **role_defaults(),
@@ -37,11 +37,10 @@ def args_of(**variables: Any) -> dict[str, Any]:
         "rdma_sysfs_root": "/sys",
         "rdma_procfs_root": "/proc",
         "rdma_dev_root": "/dev",
-        "__rdma_nic_validate_fleet": True,
         **variables,
     }
     values = {name: value for name, value in values.items() if value is not Ellipsis}  # ...: undefined
-    return read_args(values.__getitem__, values.__contains__)
+    return read_args(values.__getitem__, values.__contains__, fleet=fleet)
 
 
 def test_the_read_task_compiles_no_template_in_the_hosts_workers() -> None:
@@ -50,6 +49,12 @@ def test_the_read_task_compiles_no_template_in_the_hosts_workers() -> None:
     assert not JINJA.search(json.dumps(task)), task
     assert not {"when", "failed_when", "until"} & set(task), task
     assert task["lingjun.rdma.rdma_node_info"] == {} and "args" not in task, task
+    # validate.yml's node task: the action's fleet switch only, nothing templated, no role imported
+    plays = yaml.safe_load((ROOT / "playbooks" / "validate.yml").read_text())
+    (nodes,) = [p for p in plays if p["name"] == "Read and check every RDMA node"]
+    read = nodes["tasks"][-1]
+    assert read["lingjun.rdma.rdma_node_info"] == {"fleet": True} and not JINJA.search(json.dumps(read)), read
+    assert not [t for t in nodes["tasks"] if "ansible.builtin.import_role" in t or "ansible.builtin.meta" in t]
 
 
 def test_the_defaults_give_the_module_every_default_check() -> None:
@@ -75,7 +80,7 @@ def test_command_line_strings_are_typed_and_the_role_path_records_no_host() -> N
         rdma_non_host_network="yes",
         rdma_nic_validate_counter_baseline="off",
         ipv6_compute_validate_roce_v2_gid="true",
-        __rdma_nic_validate_fleet=False,
+        fleet=False,
     )
     assert (args["expected_nics"], args["mtu"], args["ipv6_roce_v2_gid"]) == (
         8,

@@ -492,6 +492,40 @@ def test_the_first_counter_read_can_be_taken_before_the_rest(short_tmp: Path) ->
     assert _failed(healthchecks.check(read, want)) == [("port_counters", "mlx5_bond_0")]
 
 
+def test_a_sample_the_node_kept_stands_for_the_first_counter_read(short_tmp: Path) -> None:
+    """Issue 40: a read within counter_window of the node's kept samples compares with them and does not
+    wait the interval (a worker held 3 s a node cost the controller ~25 ms a host); errors climbing since
+    the sample still fail, link flaps too (carrier_changes kept)."""
+    want = Expectations()  # counter_interval 3 s
+    node = fixtures.write_node(str(short_tmp / "n"), NODE)
+    nics = sysfs.read_nics(node.sysfs, node.dev)
+    first = healthchecks.read(nics, node.sysfs, node.procfs, node.root, want, False, sleep=_no_wait)
+    kept = healthchecks.kept_samples(first, want)
+    taken = [s["taken"] for s in kept["samples"]]
+    node.bump_counter("mlx5_bond_3", "symbol_error", by=12)  # between the two runs
+    Path(node.sysfs, "class", "net", "eth2", "carrier_changes").write_text("9\n")
+    waits: list[float] = []
+    watch = healthchecks.watch_from_samples(kept, nics, want, 600, now=taken[-1] + 10)
+    assert watch is not None and watch.kept and watch.taken == taken[-1]  # the newest one >= 3 s old
+    second = healthchecks.read(nics, node.sysfs, node.procfs, node.root, want, False, sleep=waits.append, watch=watch)
+    assert waits == []  # nothing left of the interval to wait for
+    checks = healthchecks.check(second, want)
+    assert _failed(checks) == [("link_flap", "mlx5_bond_1"), ("port_counters", "mlx5_bond_3")]
+    assert (
+        _row(checks, "port_counters", "mlx5_bond_3")
+        .message()
+        .startswith("mlx5_bond_3: error counters grew: port 1 symbol_error 0 -> 12 within ")
+    )
+    assert "eth2 carrier_changes" in _row(checks, "link_flap", "mlx5_bond_1").message()
+    # a younger sample: only the rest of the interval is waited; none in the window, another NIC: read twice
+    young = healthchecks.watch_from_samples(kept, nics, want, 600, clock=lambda: 50.0, now=taken[0] + 1)
+    assert young is not None and young.start == 49.0
+    assert healthchecks.watch_from_samples(kept, nics, want, 600, now=taken[0] + 601) is None
+    other = json.loads(json.dumps(kept).replace(nics[0].node_guid, "0000:0000:0000:0001"))
+    assert healthchecks.watch_from_samples(other, nics, want, 600, now=taken[-1] + 10) is None
+    assert healthchecks.watch_from_samples(kept, nics, Expectations(counter_watch=("port_xmit_discards",)), 600) is None
+
+
 def _with_baseline(
     node: fixtures.FixtureNode, want: Expectations, baseline: dict[str, Any] | None
 ) -> healthchecks.NodeRead:

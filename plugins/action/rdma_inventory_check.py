@@ -37,7 +37,7 @@ from ansible.module_utils.common.validation import (
 from ansible.plugins.action import ActionBase
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_node import healthchecks
 from ansible_collections.lingjun.rdma.plugins.modules.rdma_local_plugin import STATE_FILE
-from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import MISSING, Hosts, differing
+from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import MISSING, Hosts
 
 # The collection root (realpath: playbooks/collections links back to this checkout's plugins/ and roles/)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
@@ -193,9 +193,16 @@ class ActionModule(ActionBase):
                 specs.update(role_spec(role))
         specs.update(args.get("options") or {})
         extra = self._task.get_variable_manager().extra_vars if self._task.get_variable_manager() else {}
-        values = Hosts(task_vars)
-        groups = {}
-        for host in hosts:
+        values = Hosts(task_vars, self._templar)
+        agree = dict(
+            (name, self._templar.template(task_vars.get(name)) if name in task_vars else None)
+            for name in args.get("agree") or []
+        )
+        first = not checked  # the run's first check: the inventory and -e are the same for every later one
+        local = self._templar.template(task_vars.get("rdma_deploy_target")) == "local"
+        known = known_variables() if first else set()
+        groups, odd, unknown, local_dirs = {}, {}, {}, set()
+        for host in hosts:  # one pass: a merge of each host's variables (Hosts keeps the last host's)
             got = {}
             for name in specs:
                 value = values.get(host, name)
@@ -203,13 +210,25 @@ class ActionModule(ActionBase):
                     got[name] = value
             key = json.dumps(got, sort_keys=True, default=str)
             groups.setdefault(key, ([], got))[0].append(host)
+            for name, mine in agree.items():
+                theirs = values.get(host, name)
+                if theirs is not MISSING and json.dumps(theirs, sort_keys=True, default=str) != json.dumps(
+                    mine, sort_keys=True, default=str
+                ):
+                    odd.setdefault(name, {}).setdefault(json.dumps(theirs, sort_keys=True, default=str), []).append(host)
+            if first:
+                facts = self._facts(host)
+                for name in values.raw(host):
+                    if name.startswith(PREFIXES) and name not in known and name not in extra and name not in facts:
+                        unknown.setdefault(name, []).append(host)
+            if local:
+                local_dirs.add(str(values.get(host, "rdma_local_dir", None) or ""))
         if not hosts:  # a play without node hosts: the controller's own values (-e, group all, defaults)
             got = dict((n, self._templar.template(task_vars[n])) for n in specs if n in task_vars)
             groups[json.dumps(got, sort_keys=True, default=str)] = (["the controller"], got)
         found = []
-        for name in args.get("agree") or []:
-            mine = self._templar.template(task_vars.get(name)) if name in task_vars else None
-            for value, who in sorted(differing(values, hosts, name, mine).items()):
+        for name, mine in agree.items():
+            for value, who in sorted(odd.get(name, {}).items()):
                 found.append(
                     "%s=%s on %s, but %s on the controller, whose plays act for the whole cluster (set it in "
                     "group_vars/all.yml or with -e, not per host or node group)"
@@ -224,8 +243,8 @@ class ActionModule(ActionBase):
                 where = "from -e" if name in extra else self._hosts_text(host_list, len(hosts))
                 found.append("%s (%s)" % (problem, where))
         warnings = []
-        if not checked:  # the run's first check: the inventory and -e are the same for every later one
-            unknown = self._unknown(values, hosts, extra, task_vars)
+        if first:
+            unknown = self._unknown(unknown, extra, known, len(hosts))
             mode = str(self._templar.template(task_vars.get("rdma_unknown_variables", "warn")))
             if unknown and mode == "fail":
                 found += [u.rstrip(".") + " (rdma_unknown_variables=fail)" for u in unknown]
@@ -238,9 +257,9 @@ class ActionModule(ActionBase):
         result.update(changed=False, ansible_facts={"rdma_inventory_checked": done})
         if warnings:
             result["warnings"] = warnings
-        local = self._local_states(values, hosts, task_vars)
-        if local:  # the stdout callback names what still runs if the run is interrupted
-            result["rdma_local_state"] = local
+        states = self._local_states(local, local_dirs, hosts, task_vars)
+        if states:  # the stdout callback names what still runs if the run is interrupted
+            result["rdma_local_state"] = states
         if self._checkout_config_ignored(task_vars):
             result.setdefault("warnings", []).append(self._checkout_config_ignored(task_vars))
         if found:
@@ -256,36 +275,35 @@ class ActionModule(ActionBase):
             result["msg"] = "%d host(s), %d distinct set(s) of values: every typed value is valid" % (len(hosts), len(groups))
         return result
 
-    def _local_states(self, values, hosts, task_vars):
+    def _local_states(self, local, dirs, hosts, task_vars):
         """The state files of the local target's processes (rdma_local_plugin's, in <rdma_local_dir>/run as
-        roles/plugin_deploy/vars/main.yml puts them); rdma_deploy_target agrees on every host."""
-        if self._templar.template(task_vars.get("rdma_deploy_target")) != "local":
+        roles/plugin_deploy/vars/main.yml puts them); rdma_deploy_target agrees on every host. ``dirs``:
+        the hosts' rdma_local_dir ("" where unset)."""
+        if not local:
             return []
         mine = self._templar.template(task_vars.get("rdma_local_dir")) if "rdma_local_dir" in task_vars else None
-        dirs = set(str(values.get(h, "rdma_local_dir", None) or mine or "") for h in hosts) if hosts else {str(mine or "")}
+        dirs = set(d or str(mine or "") for d in dirs) if hosts else {str(mine or "")}
         return sorted(os.path.join(d, "run", STATE_FILE) for d in dirs if d)
 
-    def _unknown(self, values, hosts, extra, task_vars):
-        known = known_variables()
+    def _facts(self, host):
+        """The names of the host's facts and registered results (the variable manager's fact caches): they
+        are not inventory variables."""
         manager = self._task.get_variable_manager()
-        where = {}
+        facts = set()
+        for cache in ("_fact_cache", "_nonpersistent_fact_cache"):
+            try:
+                facts.update(getattr(manager, cache)[host] or {})
+            except (AttributeError, KeyError, TypeError):
+                pass
+        return facts
+
+    def _unknown(self, where, extra, known, total):
+        """One line per undeclared rdma_*/plugin_* variable, from -e or the hosts (``where``: name -> hosts)."""
+        named = dict((n, "set for " + self._hosts_text(w, total)) for n, w in where.items())
         for name in extra:
             if name.startswith(PREFIXES) and name not in known:
-                where[name] = ["-e"]
-        for host in hosts:
-            facts = set()
-            for cache in ("_fact_cache", "_nonpersistent_fact_cache"):
-                try:
-                    facts.update(getattr(manager, cache)[host] or {})
-                except (AttributeError, KeyError, TypeError):
-                    pass
-            for name in values.raw(host):
-                if name.startswith(PREFIXES) and name not in known and name not in extra and name not in facts:
-                    where.setdefault(name, []).append(host)
-        return unknown_variables(
-            dict((n, "from -e" if w == ["-e"] else "set for " + self._hosts_text(w, len(hosts))) for n, w in where.items()),
-            known,
-        )
+                named[name] = "from -e"
+        return unknown_variables(named, known)
 
     @staticmethod
     def _checkout_config_ignored(task_vars):

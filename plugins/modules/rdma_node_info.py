@@ -15,8 +15,9 @@ description:
     thresholds and fixes in C(docs/validation-checks.md)) read PCIe links, MTU, bonds and LACP,
     lossless RoCE, port counters, the NCCL GID index, GPU-NIC topology, GPUDirect RDMA and the
     container runtime's memlock limit in the same run. Reading needs no root.
-  - Never changes the node. Supports check mode and always reports C(changed=false). Only
-    I(perftest) loads the NICs (a bounded ib_write_bw loopback, off by default).
+  - Never changes the node, apart from the counter samples it keeps there (I(counter_window)). Supports
+    check mode (then it keeps none) and always reports C(changed=false). Only I(perftest) loads the NICs
+    (a bounded ib_write_bw loopback, off by default).
   - Only the compute NICs are validated (C(rdma_node.compute)) - physical functions
     (an RDMA device on an SR-IOV VF is listed and counted, never checked), selected as compute by
     link layer and/or a RoCE v2 GID on the compute network (I(compute_link_types),
@@ -25,7 +26,9 @@ description:
   - Error counters are judged by their growth (within I(counter_interval), spent while the rest
     of the node is read, and since the previous run's values, I(counter_baseline)), never by their
     lifetime totals. The action plugin beside this module keeps those values on the controller
-    (I(counter_baseline_dir)).
+    (I(counter_baseline_dir)). The node keeps its own last counter samples
+    (C(<host_root>/var/tmp/lingjun-rdma-counters-<uid>.json)), and a read within I(counter_window)
+    of one compares with it and does not wait I(counter_interval).
   - The roots are parameters so tests can point them at kernel-shaped fixture trees.
 version_added: "0.1.0"
 author: rdma-device-plugin maintainers
@@ -202,6 +205,14 @@ options:
       node is read and the second after it, so the run takes at least this long, not this much longer.
     type: float
     default: 3
+  counter_window:
+    description: >-
+      Seconds a counter sample the node kept from an earlier read serves as the first of the two counter
+      reads: the newest one at least I(counter_interval) old is compared with this read, so the run does
+      not wait (one younger than that: only the rest of the interval); with none, the counters are read
+      twice I(counter_interval) apart. 0 = always read twice. The file is kept only if this user owns it.
+    type: float
+    default: 600
   counter_baseline:
     description: >-
       The counters the previous run returned in C(counter_baseline_next) for this node; the action
@@ -365,7 +376,9 @@ node:
       type: dict
 """
 
+import json
 import os
+import tempfile
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
@@ -491,6 +504,38 @@ def _health_rows(found: list[checks.Check]) -> list[dict[str, Any]]:
     return rows
 
 
+def _samples_path(host_root: str) -> str:
+    return os.path.join(host_root, "var", "tmp", f"lingjun-rdma-counters-{os.getuid()}.json")
+
+
+def _load_samples(path: str) -> dict[str, Any] | None:
+    """The node's kept counter samples; None when there are none, or the file is not this user's own (a
+    file another user planted must not stand in for the counters)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            if os.fstat(fh.fileno()).st_uid != os.getuid():
+                return None
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _keep_samples(path: str, data: dict[str, Any]) -> None:
+    """Replace the file atomically; a node where it cannot be written keeps reading the counters twice."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, partial = tempfile.mkstemp(prefix=".lingjun-rdma-counters-", dir=os.path.dirname(path))
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, sort_keys=True)
+        os.replace(partial, path)
+    except OSError:
+        os.unlink(partial)
+
+
 def compact_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
     """The fact's rows at fleet scale: every row that failed or was not checked stays a row; the
     plain passes become counts per role and check name (``passed_checks``). About 100 rows a node
@@ -590,6 +635,7 @@ def main() -> None:
             "counter_max": {"type": "dict", "default": dict(healthchecks.DEFAULT_COUNTER_MAX)},
             "counter_watch": {"type": "list", "elements": "str", "default": list(healthchecks.DEFAULT_COUNTER_WATCH)},
             "counter_interval": {"type": "float", "default": healthchecks.DEFAULT_COUNTER_INTERVAL},
+            "counter_window": {"type": "float", "default": 600.0},
             "counter_baseline": {"type": "dict"},
             "counter_baseline_dir": {"type": "path"},  # the action plugin's; unused here
             "nccl_addr_family": {"type": "str", "default": "auto", "choices": ["auto", "AF_INET", "AF_INET6"]},
@@ -655,7 +701,11 @@ def main() -> None:
     roles = compute.classify([n for n in nics if n.name in names], want_compute)
     selected = roles.compute  # the compute NICs: every check below is about them
     watch = None
-    if p["health"]:  # the first counter read now: counter_interval runs while the rest is read
+    host_root = p["host_root"] or os.path.dirname(os.path.abspath(p["procfs_root"]))
+    samples = _samples_path(host_root) if p["health"] and p["counter_interval"] > 0 and p["counter_window"] > 0 else None
+    if samples:  # the node's own earlier sample: no wait for the counters to move
+        watch = healthchecks.watch_from_samples(_load_samples(samples), selected, health_want, p["counter_window"])
+    if p["health"] and watch is None:  # the first counter read now: counter_interval runs while the rest is read
         watch = healthchecks.watch_counters(selected, p["sysfs_root"], health_want)
     loaded = sysfs.loaded_modules(p["sysfs_root"], sorted(set(p["modules"]) | {"ib_core"}))
     driver_version = sysfs.module_version(p["sysfs_root"], p["version_module"])
@@ -699,7 +749,6 @@ def main() -> None:
     health: list[checks.Check] = []
     if p["health"]:
         real = os.path.realpath(p["sysfs_root"]) == "/sys" and os.path.realpath(p["procfs_root"]) == "/proc"
-        host_root = p["host_root"] or os.path.dirname(os.path.abspath(p["procfs_root"]))
         try:
             health_read = healthchecks.read(
                 selected,
@@ -768,6 +817,8 @@ def main() -> None:
     }
     if health_read is not None:
         node["counter_baseline_next"] = healthchecks.next_baseline(health_read, health_want)
+        if samples and not module.check_mode:
+            _keep_samples(samples, healthchecks.kept_samples(health_read, health_want))
     if p["details"]:
         node["ipv6"] = {netdev: _ipv6(netdev, netdevs[netdev], owners) for netdev, owners in by_netdev.items()}
         if health_read is not None:

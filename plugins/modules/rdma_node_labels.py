@@ -29,9 +29,17 @@ options:
     type: int
     default: 500
   workers:
-    description: Patches sent at the same time.
+    description: Patches sent at the same time (the client's bound on concurrent requests).
     type: int
     default: 8
+  stamps:
+    description: >-
+      Annotation keys that only stamp a change (C(rdma.lingjun.io/validated-at)): written when another
+      wanted label or annotation of the node changes, or when the node lacks them; a node whose only
+      difference is a stamp is not patched.
+    type: list
+    elements: str
+    default: []
 """
 
 EXAMPLES = r"""
@@ -65,8 +73,9 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_k8s import CONNECTION_ARGS, Cluster, K8sError
 
 
-def _changes(node, want):
-    """The merge patch that gives ``node`` the wanted labels and annotations, or None."""
+def _changes(node, want, stamps=()):
+    """The merge patch that gives ``node`` the wanted labels and annotations, or None. An annotation in
+    ``stamps`` differing is no change by itself: it goes with another change, or where it is missing."""
     meta = node.get("metadata") or {}
     patch = {}
     for field in ("labels", "annotations"):
@@ -74,6 +83,11 @@ def _changes(node, want):
         diff = dict((k, v) for k, v in (want.get(field) or {}).items() if have.get(k) != v and (v is not None or k in have))
         if diff:
             patch[field] = diff
+    stamped = dict((k, v) for k, v in (patch.get("annotations") or {}).items() if k in stamps)
+    have = meta.get("annotations") or {}
+    if stamped and len(patch.get("labels") or {}) + len(patch["annotations"]) == len(stamped):
+        if all(k in have for k in stamped):
+            return None
     return {"metadata": patch} if patch else None
 
 
@@ -84,6 +98,7 @@ def main():
             nodes={"type": "dict", "required": True},
             page_size={"type": "int", "default": 500},
             workers={"type": "int", "default": 8},
+            stamps={"type": "list", "elements": "str", "default": []},
         ),
         supports_check_mode=True,
     )
@@ -95,7 +110,7 @@ def main():
         patches = {}
         for name in sorted(wanted):
             if name in existing:
-                patch = _changes(existing[name], wanted[name] or {})
+                patch = _changes(existing[name], wanted[name] or {}, p["stamps"])
                 if patch:
                     patches[name] = patch
 

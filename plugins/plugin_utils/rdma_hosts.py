@@ -6,7 +6,8 @@ Kubernetes node name, its validation facts, its NIC count). Reading them here, f
 manager's stored values (``HostVars.raw_get``, ansible-core lib/ansible/vars/hostvars.py), costs one
 lookup per host; a Jinja loop over ``hostvars`` templated every host's whole namespace instead.
 A value that is itself a template (``rdma_k8s_node_name: "{{ inventory_hostname }}.example"``) is
-templated with that host's variables.
+templated with that host's variables: over the stored values already read when a templar is given (no
+second merge of the host's variables), else through ``hostvars``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def _is_template(value):
 class Hosts(object):
     """Values of the hosts of one run, from ``task_vars['hostvars']``."""
 
-    def __init__(self, task_vars):
+    def __init__(self, task_vars, templar=None):
         self.hostvars = task_vars["hostvars"]
+        self._templar = templar
         self._last = (None, None)  # one host's variables at a time: 5000 hosts' facts would not fit twice
 
     def raw(self, host):
@@ -39,8 +41,10 @@ class Hosts(object):
         if name not in raw:
             return default
         value = raw[name]
-        if _is_template(value):
-            value = self.hostvars[host][name]  # templated with the host's own variables
+        if _is_template(value):  # templated with the host's own variables
+            if self._templar is None:
+                return self.hostvars[host][name]
+            return self._templar.copy_with_new_env(available_variables=raw).template(value)
         return value
 
     def node_name(self, host):

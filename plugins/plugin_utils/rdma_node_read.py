@@ -1,5 +1,5 @@
 # Copyright: rdma-device-plugin maintainers; Apache-2.0
-"""The arguments of the one node read (roles/rdma_nic_validate/tasks/read.yml) from the role variables.
+"""The arguments of the one node read from the role variables.
 
 Shared by the rdma_node_info action plugin and bench/fleet.py's stand-in for it. The mapping is Python
 rather than a Jinja template on the task: ansible-core compiles a task's templates again in every host's
@@ -7,16 +7,30 @@ worker (nothing compiled survives into the fork), which cost validate's controll
 host against ping's 0.09 s in all. Typed variables go through the converters every role uses (filter
 ``rdma_bool`` / ``rdma_int``, the argument specs' spellings); a None value is left out (the module's
 default: for the optional checks, not checked).
+
+Two callers: the role's own read (roles/rdma_nic_validate/tasks/read.yml: the role's variables are in the
+task's), and playbooks/validate.yml's node play, which imports no role (each import_role costs every host
+variable merges in Ansible's main process): there :class:`RoleVariables` layers the validation roles'
+defaults and vars under the host's variables, as the imports did, and templates only the values that
+are templates.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from collections import ChainMap
+
+from ansible import constants as C
+from ansible.template import trust_as_template
 from ansible_collections.lingjun.rdma.plugins.filter.rdma_typed import (
     rdma_bool,
     rdma_int,
 )
 
-FLEET = "__rdma_nic_validate_fleet"  # set by the role's tasks/fleet.yml (validate.yml) and tasks/main.yml
+# The collection root (realpath: playbooks/collections links back to this checkout's roles/)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+ROLES = ("rdma_node_facts", "rdma_nic_validate", "ipv6_compute_validate")  # what validate.yml reads with
 
 
 def role_args(templar, task_vars):
@@ -25,17 +39,85 @@ def role_args(templar, task_vars):
 
 
 def fails_on_read_error(templar, task_vars):
-    """A failed read fails the task only in the role's own path with rdma_validation_fail (its default);
-    validate.yml's fleet path lists the node as not validated in the report, then its enforce play fails it."""
-    if task_vars.get(FLEET) is not None and templar.template(task_vars[FLEET]):
-        return False
+    """A failed read fails the role's own read only with rdma_validation_fail (its default)."""
     return rdma_bool(templar.template(task_vars["rdma_validation_fail"]), "rdma_validation_fail")
 
 
-def read_args(var, defined):
+def _is_template(value):
+    if isinstance(value, str):
+        return "{{" in value or "{%" in value
+    if isinstance(value, dict):
+        return any(_is_template(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_is_template(v) for v in value)
+    return False
+
+
+def _trusted(value):
+    """JSON's values with their templates trusted again, as a role's own files are."""
+    if isinstance(value, str):
+        return trust_as_template(value) if _is_template(value) else value
+    if isinstance(value, dict):
+        return dict((k, _trusted(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_trusted(v) for v in value]
+    return value
+
+
+def role_layers(loader):
+    """(defaults, vars) of ROLES. Parsed once per run: the first worker keeps them as JSON in the run's
+    local temporary directory (ansible-playbook's own, the same for every worker), the others read that
+    (Ansible's YAML loader cost each host's worker about 3.5 ms)."""
+    cache = os.path.join(C.DEFAULT_LOCAL_TMP, "rdma-role-variables.json")
+    try:
+        with open(cache, encoding="utf-8") as fh:
+            defaults, role_vars = json.load(fh)
+        return _trusted(defaults), _trusted(role_vars)
+    except (OSError, ValueError):
+        pass
+    defaults, role_vars = {}, {}
+    for role in ROLES:
+        for sub, layer in (("defaults", defaults), ("vars", role_vars)):
+            path = os.path.join(ROOT, "roles", role, sub, "main.yml")
+            if os.path.exists(path):
+                # trusted: a role's own files may hold templates, as Ansible's role loading takes them
+                layer.update(loader.load_from_file(path, cache="none", unsafe=True, trusted_as_template=True) or {})
+    try:
+        partial = "%s.%d" % (cache, os.getpid())
+        with open(partial, "w", encoding="utf-8") as fh:
+            json.dump([defaults, role_vars], fh)
+        os.replace(partial, cache)
+    except (OSError, TypeError, ValueError):
+        pass  # not kept: the next worker parses them again
+    return defaults, role_vars
+
+
+class RoleVariables(object):
+    """The host's variables over the validation roles' defaults and vars (ROLES), as ``import_role`` of
+    them gives a task: the defaults below everything the host sets, the roles' vars (internal names only)
+    beside them. ``value(name)`` templates a value only when it is a template."""
+
+    def __init__(self, loader, templar, task_vars):
+        defaults, role_vars = role_layers(loader)
+        self._all = ChainMap(task_vars, role_vars, defaults)
+        self._templar = templar.copy_with_new_env(available_variables=self._all)
+
+    def defined(self, name):
+        return name in self._all
+
+    def raw(self, name):
+        return self._all.get(name)
+
+    def value(self, name):
+        value = self._all[name]
+        return self._templar.template(value) if _is_template(value) else value
+
+
+def read_args(var, defined, fleet=False):
     """The module arguments of the one node read from the role variables: ``var(name)`` is the variable's
     templated value, ``defined(name)`` whether it is set. A None value is left out: the module's default
-    (for the optional checks: not checked)."""
+    (for the optional checks: not checked). ``fleet``: validate.yml's read, which records the host's
+    findings as its rdma_validation fact (``record_host``)."""
 
     def opt(name):
         return var(name) if defined(name) else None
@@ -83,7 +165,7 @@ def read_args(var, defined):
         "ipv6_roce_v2_gid": flag("ipv6_compute_validate_roce_v2_gid")
         if defined("ipv6_compute_validate_roce_v2_gid")
         else None,
-        "record_host": var("inventory_hostname") if opt(FLEET) else None,
+        "record_host": var("inventory_hostname") if fleet else None,
         "ipv6_record": non_host_network
         or (defined("ipv6_compute_validate_force") and flag("ipv6_compute_validate_force")),
         "health": flag("rdma_nic_validate_health"),
@@ -99,6 +181,7 @@ def read_args(var, defined):
         "counter_max": var("rdma_nic_validate_counter_max"),
         "counter_watch": var("rdma_nic_validate_counter_watch"),
         "counter_interval": var("rdma_nic_validate_counter_interval"),
+        "counter_window": opt("rdma_nic_validate_counter_window"),
         "counter_baseline_dir": (f"{var('rdma_validation_report_dir')}/counters")
         if flag("rdma_nic_validate_counter_baseline")
         else None,

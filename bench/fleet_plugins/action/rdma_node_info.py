@@ -1,12 +1,11 @@
 """Bench stand-in for the rdma_node_info module (bench/fleet.py --fake-facts): controller memory at 5000 hosts.
 
-Per distinct set of module arguments (one per fixture node) the real module runs once, on the
-first host that asks; its result is kept in a file and every later host with the same
-arguments gets that result with its own ``record_host`` (the only per-host argument) put back.
-So each host's task result is exactly what rdma_node_info returned for its fixture node,
-without a module process per host; the arguments taken from the role variables (as the real action
-plugin does: plugin_utils/rdma_node_read.py), the result processing on the controller (register,
-facts) and every other task of the play stay real.
+The real action plugin (plugins/action/rdma_node_info.py, loaded from its file) with one change: per
+distinct set of module arguments (one per fixture node) the real module runs once, on the first host
+that asks; its result is kept in a file and every later host with the same arguments gets that result
+with its own ``record_host`` (the only per-host argument) put back. So each host's findings are exactly
+what rdma_node_info returned for its fixture node, without a module process per host; the arguments
+taken from the role variables, the spool, the verdict and every other task of the play stay real.
 Enabled only by bench/fleet.py's shadow of the lingjun.rdma collection (``fake_collection``: the
 repository's collection with this file as plugins/action/rdma_node_info.py, first on
 ANSIBLE_COLLECTIONS_PATH and the collections/ beside the playbooks it runs): an action plugin named
@@ -17,23 +16,22 @@ like a module replaces the module's action
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from ansible.plugins.action import ActionBase
-from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_node_read import role_args
-
 PLACEHOLDER = "@@rdma-fleet-record-host@@"
+REAL = Path(os.path.realpath(__file__)).parents[3] / "plugins" / "action" / "rdma_node_info.py"
+_spec = importlib.util.spec_from_file_location("rdma_node_info_real_action", REAL)
+assert _spec is not None and _spec.loader is not None
+_real = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_real)
 
 
-class ActionModule(ActionBase):  # type: ignore[misc]  # ansible-core ships no type hints
-    _supports_check_mode = True
-
-    def run(self, tmp: Any = None, task_vars: Any = None) -> dict[str, Any]:
-        result: dict[str, Any] = super().run(tmp, task_vars)
-        args = dict(self._task.args) or role_args(self._templar, task_vars)
+class ActionModule(_real.ActionModule):  # type: ignore[misc,name-defined]  # ansible-core ships no type hints
+    def _read(self, args: dict[str, Any], task_vars: Any) -> dict[str, Any]:
         host = args.pop("record_host", None)
         args.pop("counter_baseline_dir", None)  # the real action plugin's file per host: not kept here
         key = hashlib.sha256(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()
@@ -46,11 +44,11 @@ class ActionModule(ActionBase):  # type: ignore[misc]  # ansible-core ships no t
                 module_name="lingjun.rdma.rdma_node_info", module_args=module_args, task_vars=task_vars
             )
             self._remove_tmp_path(self._connection._shell.tmpdir)
+            got.get("node", {}).pop("counter_baseline_next", None)  # as the real action plugin does
             text = json.dumps(got, default=str)
             partial = cache.with_suffix(f".{os.getpid()}")
             partial.write_text(text)
             partial.replace(cache)  # forks that read it at the same time see all of it or nothing
         # The placeholder stands for the host name in the recorded fact and the invocation.
-        result.update(json.loads(text.replace(json.dumps(PLACEHOLDER), json.dumps(host))))
-        result.get("node", {}).pop("counter_baseline_next", None)  # as the real action plugin does
+        result: dict[str, Any] = json.loads(text.replace(json.dumps(PLACEHOLDER), json.dumps(host)))
         return result

@@ -226,6 +226,7 @@ class NicRead:
     counters: dict[int, dict[str, int]]  # port -> counters at the first read
     counters_after: dict[int, dict[str, int]] = field(default_factory=dict)  # port -> the same, later
     carrier_after: dict[str, int | None] = field(default_factory=dict)
+    carrier_before: dict[str, int | None] = field(default_factory=dict)  # netdev -> a kept sample's (else read now)
     gid_index: dict[int, int] = field(default_factory=dict)  # port -> NCCL's GID index
     active_mtu: dict[int, int] = field(default_factory=dict)  # port -> libibverbs' active MTU, when read
     perftest: dict[int, perftest.Result] = field(default_factory=dict)
@@ -272,6 +273,8 @@ class CounterWatch:
     start: float  # clock() at the read
     taken: float  # time.time() at the read
     counters: dict[str, dict[int, dict[str, int]]]  # NIC -> port -> counter -> value
+    carriers: dict[str, dict[str, int | None]] = field(default_factory=dict)  # NIC -> netdev -> carrier_changes
+    kept: bool = False  # a sample the node kept from an earlier read (:func:`watch_from_samples`)
 
 
 def watched_counters(want: Expectations) -> list[str]:
@@ -288,6 +291,90 @@ def watch_counters(
         for nic in nics
     }
     return CounterWatch(clock(), time.time(), found)
+
+
+# The counters a node keeps of its reads (a small file on the node, rdma_node_info's counter window): the
+# next read within the window compares with them instead of waiting counter_interval seconds, so that a
+# validation run holds no worker while the counters move. Two samples are kept: the first read of the
+# last run and its last read; a read takes the newest one at least counter_interval old (no wait), else
+# the oldest one (it waits only what is left of the interval), else reads twice as before.
+SAMPLE_VERSION = 1
+
+
+def watch_from_samples(
+    kept: Mapping[str, Any] | None,
+    nics: Sequence[sysfs.Nic],
+    want: Expectations,
+    window: float,
+    clock: Callable[[], float] = time.monotonic,
+    now: float | None = None,
+) -> CounterWatch | None:
+    """The first counter read from the node's kept samples (:func:`kept_samples`): one at most ``window``
+    seconds old that covers every NIC (same node GUID, every port) and every compared counter; None when
+    there is none (the caller reads now and waits the interval)."""
+    if (
+        not kept
+        or kept.get("version") != SAMPLE_VERSION
+        or not set(watched_counters(want)) <= set(kept.get("names") or ())
+    ):
+        return None
+    now = time.time() if now is None else now
+    usable = []
+    for sample in kept.get("samples") or []:
+        try:
+            age = now - float(sample["taken"])
+            per = sample["nics"]
+            if not 0 <= age <= window or not all(
+                per[n.name]["node_guid"] == n.node_guid
+                and {str(p.number) for p in n.ports} <= set(per[n.name]["ports"])
+                for n in nics
+            ):
+                continue
+        except (KeyError, TypeError, ValueError):
+            continue
+        usable.append((age, sample))
+    if not usable:
+        return None
+    old = [u for u in usable if u[0] >= want.counter_interval]
+    age, sample = min(old, key=lambda u: u[0]) if old else max(usable, key=lambda u: u[0])
+    try:
+        counters = {
+            n.name: {
+                int(p): {str(k): int(v) for k, v in values.items()}
+                for p, values in sample["nics"][n.name]["ports"].items()
+            }
+            for n in nics
+        }
+        carriers = {n.name: dict(sample["nics"][n.name].get("carriers") or {}) for n in nics}
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return CounterWatch(clock() - age, float(sample["taken"]), counters, carriers, kept=True)
+
+
+def _sample(node: NodeRead, taken: float, last: bool) -> dict[str, Any]:
+    nics = {}
+    for r in node.nics:
+        if last:
+            carriers = {n: r.carrier_after.get(n, d.carrier_changes) for n, d in r.netdevs.items()}
+            ports = r.latest_counters
+        else:
+            carriers = {n: r.carrier_before.get(n, d.carrier_changes) for n, d in r.netdevs.items()}
+            ports = r.counters
+        nics[r.nic.name] = {
+            "node_guid": r.nic.node_guid,
+            "ports": {str(p): v for p, v in ports.items()},
+            "carriers": carriers,
+        }
+    return {"taken": round(taken, 3), "nics": nics}
+
+
+def kept_samples(node: NodeRead, want: Expectations) -> dict[str, Any]:
+    """What the node keeps of this read for the next one: its first counter read (a kept sample or this
+    read's own) and its last, with when each was taken."""
+    samples = [_sample(node, node.taken, last=False)]
+    if node.interval > 0:
+        samples.append(_sample(node, node.taken + node.interval, last=True))
+    return {"version": SAMPLE_VERSION, "names": watched_counters(want), "samples": samples}
 
 
 def _functions(sysfs_root: str, nic: sysfs.Nic, netdevs: Mapping[str, netdev.Netdev]) -> list[pcie.Function]:
@@ -344,7 +431,17 @@ def read(
     reads: list[NicRead] = []
     for nic in nics:
         devs = {name: netdev.read_netdev(sysfs_root, name) for name in nic.netdevs}
-        reads.append(NicRead(nic, [], devs, None, {}, watch.counters.get(nic.name, {})))
+        reads.append(
+            NicRead(
+                nic,
+                [],
+                devs,
+                None,
+                {},
+                watch.counters.get(nic.name, {}),
+                carrier_before=watch.carriers.get(nic.name, {}),
+            )
+        )
     family = want.nccl_addr_family
     if family == AUTO:
         family = gids.auto_family([p for r in reads for p in r.nic.ports])
@@ -769,7 +866,7 @@ def _flap(r: NicRead, node: NodeRead, want: Expectations) -> Check:
             if before is not None and name in after and portcounters.growth(before, after[name]) > 0:
                 grew.append(f"port {port} {name} {before} -> {after[name]}")
     for name, after_changes in r.carrier_after.items():
-        before_changes = r.netdevs[name].carrier_changes
+        before_changes = r.carrier_before[name] if name in r.carrier_before else r.netdevs[name].carrier_changes
         if before_changes is not None and after_changes is not None and after_changes > before_changes:
             grew.append(f"{name} carrier_changes {before_changes} -> {after_changes}")
     flaps = sum(n in v for v in r.counters_after.values() for n in portcounters.FLAP_COUNTERS)
@@ -1091,7 +1188,8 @@ def next_baseline(node: NodeRead, want: Expectations) -> dict[str, Any]:
             nics[r.nic.name] = old
             continue
         ports = {str(p): v for p, v in r.latest_counters.items() if v}
-        nics[r.nic.name] = {"node_guid": r.nic.node_guid, "taken": round(node.taken, 3), "ports": ports}
+        # taken: when the latest values were read (the first read may be a sample the node kept long before)
+        nics[r.nic.name] = {"node_guid": r.nic.node_guid, "taken": round(node.taken + node.interval, 3), "ports": ports}
     return {"nics": nics}
 
 
