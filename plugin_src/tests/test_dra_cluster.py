@@ -640,7 +640,7 @@ def test_two_overlapping_instances_hand_over_without_a_failed_prepare(
         assert same_slices()
         # c prepared ov-c: counted per NIC, ready, registered (its metrics)
         m = _scrape(port)
-        nic = devices[0][: -len("-x")].replace("-", "_")
+        nic = next(n for n, x in X.items() if x == devices[0])  # devices are named by PCI function
         assert m[f'rdma_dra_claims_prepared{{nic="{nic}"}}'] == 1
         assert m['rdma_dra_requests_total{operation="prepare",result="ok"}'] >= 1
         assert m['rdma_dra_requests_total{operation="prepare",result="error"}'] == 0
