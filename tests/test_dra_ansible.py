@@ -137,8 +137,12 @@ def test_verify_judges_each_node_by_its_slices_and_a_test_claim(cluster_with_nod
     cluster, work = cluster_with_nodes
     api = ds.Api(cluster.kubeconfig)
     # The chart's policy is in force: the test pod's former shape (no hostNetwork, no IPC_LOCK) is denied.
+    # The old test pod's shape (no hostNetwork) in the release's namespace, where verify runs its pods now
+    # (the tenant policy refuses RDMA pods in unlabelled namespaces: docs/security.md).
+    denied = ds.pod("denied", "d1", limits={"rdma/hca": "1"})
+    denied["metadata"]["namespace"] = "kube-system"
     with pytest.raises(ds.kubeapi.ApiError, match=r"requests RDMA .* without hostNetwork: true"):
-        api.create(ds.pod("denied", "d1", limits={"rdma/hca": "1"}))
+        api.create(denied)
     inv = _inventory(
         work, cluster, plugin_verify_test_job=True, plugin_verify_test_job_image="registry.example.com/rdma/check:1"
     )
@@ -151,7 +155,7 @@ def test_verify_judges_each_node_by_its_slices_and_a_test_claim(cluster_with_nod
     assert not verdicts["d2"]["ok"] and "node d2: no ResourceSlice of driver rdma.lingjun.io" in verdicts["d2"]["msg"]
     recap = dict(re.findall(r"^(d[12])\s+: ok=\d+.*?failed=(\d+)", out, flags=re.M))
     assert recap == {"d1": "0", "d2": "1"}, out  # each node host with its own verdict
-    left = api.get("/api/v1/namespaces/default/pods", labelSelector="rdma.lingjun.io/dra-verify")["items"]
+    left = api.get("/api/v1/namespaces/kube-system/pods", labelSelector="rdma.lingjun.io/dra-verify")["items"]
     assert not [p for p in left if not p["metadata"].get("deletionTimestamp")]  # the test pods are deleted
 
 
