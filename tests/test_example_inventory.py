@@ -36,7 +36,8 @@ def test_site_check_passes_on_the_example_inventory() -> None:
     assert "--check: would write " in out and "sharedDevices: 1000" in out
     assert out.count("sharedDevices: 1000") == 1  # once: without --diff the debug shows it, with --diff the diff does
     flat = " ".join(out.split())
-    assert "--check: the chart renders 5 manifests of release rdma" in flat, flat[-3000:]
+    # serviceaccount, configmap, daemonset, admission-policy, tenant-policy and the helm test
+    assert "--check: the chart renders 6 manifests of release rdma" in flat, flat[-3000:]
     assert "nothing was written or installed (without --check they go to" in flat
     assert "apply them with" not in flat  # no folder it did not write is pointed at
     assert "placeholder registry.example.com/rdma/rdma-device-plugin, which nobody publishes" in flat
