@@ -54,12 +54,12 @@ def test_host_mounts_are_only_what_the_plugin_uses(case: str) -> None:
     CDI spec dir and the NFD features dir (written atomically: a temp file and a rename need the dir;
     the runtimes do not scan CDI subdirectories, so cdi.hostDir is the way to a dedicated one)."""
     values = CASES[case]
-    kubelet_dir = values.get("kubeletDir", "/var/lib/kubelet").rstrip("/")
     for mode in ("shared", "exclusive"):
         spec = _pod_spec(values, mode)
         paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
         mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
-        want = {"device-plugins": f"{kubelet_dir}/device-plugins", **{f"sys-{d}": f"/sys/{d}" for d in ("class", "devices", "bus", "module")}}
+        # The kubelet's socket dir is /var/lib/kubelet/device-plugins whatever kubeletDir (its --root-dir) is.
+        want = {"device-plugins": "/var/lib/kubelet/device-plugins", **{f"sys-{d}": f"/sys/{d}" for d in ("class", "devices", "bus", "module")}}
         if values.get("cdi", {}).get("enabled"):
             want["cdi"] = values["cdi"].get("hostDir", "/var/run/cdi")
         if values.get("nfd", {}).get("enabled"):
