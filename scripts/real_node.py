@@ -360,7 +360,10 @@ class RealNode:
             _run([ip, "link", "add", NODE_BRIDGE, "type", "bridge"], "making the node bridge")
         _run([ip, "addr", "replace", str(NODE_NET), "dev", NODE_BRIDGE], "the node IP")
         _run([ip, "link", "set", NODE_BRIDGE, "up"], "the node bridge up")
-        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+        forward = Path("/proc/sys/net/ipv4/ip_forward")
+        if "ip_forward" not in self.state():
+            self._save(ip_forward=forward.read_text().strip())  # put back by down()
+        forward.write_text("1")  # the pod network's bridge routes through the host
         conf = self.fs / BINDS["/etc/cni/net.d"]
         conf.mkdir(parents=True, exist_ok=True)
         (conf / "10-rdma-node.conflist").write_text(
@@ -923,6 +926,8 @@ state = "/run/containerd"
         for br in (CNI_BRIDGE, NODE_BRIDGE):
             subprocess.run(["ip", "link", "del", br], capture_output=True, check=False)
         self._drop_service_routes()
+        if state.get("ip_forward") is not None:
+            Path("/proc/sys/net/ipv4/ip_forward").write_text(str(state["ip_forward"]))
         for target in sorted(state.get("made_dirs", []), key=len, reverse=True):  # type: ignore[call-overload]
             with contextlib.suppress(OSError):
                 Path(target).rmdir()
