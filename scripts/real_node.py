@@ -23,6 +23,10 @@ What the node is made of (all under DIR/node, nothing outside it but what `down`
     (ENXIO: no driver here) and one not given it cannot (EPERM: the device cgroup is real).
   - a bridge with the node's IP (the kubelet refuses a loopback node IP) and the CNI bridge of the pod
     network, both deleted by `down`.
+  - one stand-in, for kube-proxy: no kube-proxy runs and the API server listens on 127.0.0.1 only, so
+    one iptables DNAT rule (its own chain) takes the kubernetes Service (10.96.0.1:443) to it, with
+    route_localnet on, as kube-proxy's iptables mode would; pods (the DRA driver) reach the API
+    server through the Service with their own tokens. No other Service is served.
   - its own credentials: a client certificate of system:node:<name> in system:nodes, so the API
     server's Node authorizer and NodeRestriction judge it as they judge any kubelet.
   - a registry on 127.0.0.1 (docker-registry) holding the images the node runs, all built here:
