@@ -477,9 +477,6 @@ def test_a_node_reboot_fails_pods_admitted_before_the_plugin_and_their_job_repla
         assert again, job_pods()
         got = probe_of(pods, again[0]["metadata"]["name"])
         assert got["devices"] and all(d["open"] in ALLOWED for d in got["devices"].values())
-        # The Job controller counts the refused pod (its status catches up after the replacement runs).
-        failed_count = lambda: kube.get("job", "-n", NS, "trainer")["status"].get("failed")  # noqa: E731
-        assert wait_for(lambda: failed_count() == 1, timeout=60), kube.get("job", "-n", NS, "trainer")["status"]
     finally:
         kube.kubectl("delete", "job", "-n", NS, "trainer", "--cascade=foreground", "--wait=false", check=False)
 
