@@ -141,6 +141,9 @@ def test_verify_judges_each_node_by_its_slices_and_a_test_claim(cluster_with_nod
     # (the tenant policy refuses RDMA pods in unlabelled namespaces: docs/security.md).
     denied = ds.pod("denied", "d1", limits={"rdma/hca": "1"})
     denied["metadata"]["namespace"] = "kube-system"
+    # Everything else as the tenant policy wants it, so hostNetwork is its one fault: the API server
+    # evaluates the policies in no set order, and the first denial is the message.
+    denied["spec"]["containers"][0]["securityContext"] = {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
     with pytest.raises(ds.kubeapi.ApiError, match=r"requests RDMA .* without hostNetwork: true"):
         api.create(denied)
     inv = _inventory(
