@@ -42,9 +42,10 @@ def run_playbook(*args: str, timeout: int = 900, **env: str) -> subprocess.Compl
     )
 
 
-def node_info_run(python: str, options: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+def node_info_run(python: str, options: dict[str, Any], **env: str) -> subprocess.CompletedProcess[str]:
     """One ad-hoc ``rdma_node_info`` run on localhost with ``python`` as the node's interpreter (real
-    AnsiballZ), ``options`` as JSON (dicts and lists too) over the real roots; the raw run."""
+    AnsiballZ), ``options`` as JSON (dicts and lists too) over the real roots, ``env`` added to its
+    environment; the raw run."""
     return subprocess.run(
         [
             str(BIN / "ansible"),
@@ -59,7 +60,7 @@ def node_info_run(python: str, options: dict[str, Any]) -> subprocess.CompletedP
             f"ansible_python_interpreter={python}",
         ],
         cwd=ROOT,
-        env={**ansible_env(), "ANSIBLE_STDOUT_CALLBACK": "json", "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1"},
+        env={**ansible_env(), "ANSIBLE_STDOUT_CALLBACK": "json", "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1", **env},
         capture_output=True,
         text=True,
         timeout=600,

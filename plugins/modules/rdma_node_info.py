@@ -29,6 +29,9 @@ description:
     (I(counter_baseline_dir)). The node keeps its own last counter samples
     (C(<host_root>/var/tmp/lingjun-rdma-counters-<uid>.json)), and a read within I(counter_window)
     of one compares with it and does not wait I(counter_interval).
+  - The node keeps the compiled code of the C(rdma_node) module_utils
+    (C(~/.cache/lingjun-rdma/bytecode), the user's own, 0700; a file per module named by the hash of
+    its source), which AnsiballZ would otherwise compile at every run; delete the directory at will.
   - The roots are parameters so tests can point them at kernel-shaped fixture trees.
 version_added: "0.1.0"
 author: rdma-device-plugin maintainers
