@@ -1,11 +1,13 @@
 """The package's compiled code kept on the node, for the runs Ansible ships it in a zip.
 
 AnsiballZ sends module_utils as source inside the module's zip, and zipimport compiles every
-module of it at every run (it neither reads nor writes ``.pyc`` there): for this package that was
-about 0.1 s of CPU a node per validate run, most of the node module's cost beyond ansible's own
-ping (bench/fleet.py, issue 40). :func:`install` puts a finder in front of the package's zip
-directory that loads each submodule's code from ``~/.cache/lingjun-rdma/bytecode`` when it was
-compiled before from the very same source, and keeps it there otherwise.
+module of it at every run (it neither reads nor writes ``.pyc`` there), twice: its find_spec asks
+its get_filename, which compiles the source, and exec_module compiles it again (CPython 3.11-3.14,
+python/cpython#141276). For this package that was about 0.1 s of CPU a node per validate run, most
+of the node module's cost beyond ansible's own ping (bench/fleet.py, issue 40). :func:`install`
+puts a finder in front of the package's zip directory that names a module's file without compiling
+it, loads its code from ``~/.cache/lingjun-rdma/bytecode`` when it was compiled before from the
+very same source, and compiles it once and keeps it there otherwise.
 
 Trusted as Python trusts ``__pycache__``, by ownership: the directory and every file must belong
 to the user running the module and be writable by nobody else, or the cache is passed by and the
