@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,7 @@ from gpu_dra_stub import GpuDraStub
 
 from rdma_device_plugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from rdma_device_plugin.config import load_config_data
-from rdma_device_plugin.dra import kubeapi, model
+from rdma_device_plugin.dra import kubeapi, model, version
 from rdma_device_plugin.dra.kubeletplugin import Paths
 from rdma_device_plugin.dra.model import PCI_BUS_ID, PCIE_ROOT
 from rdma_device_plugin.health import NicHealth
@@ -988,6 +990,82 @@ def test_a_cached_answer_only_for_the_same_allocation(api: Api, exclusive: DraNo
         assert "RDMA_DEVICES=mlx5_bond_1" in json.loads(cdi.read_text())["containerEdits"]["env"]
     finally:
         _unprepare(exclusive, uid, "realloc")
+
+
+class _OldServer(ThreadingHTTPServer):
+    """An API server's ``/version`` as a lower release answers it (the real server's document, its
+    version fields changed), over TLS with the cluster's own serving certificate; nothing else served."""
+
+    def __init__(self, cluster: kube_cluster.Cluster, doc: dict[str, Any]) -> None:
+        self.doc, self.paths = doc, list[str]()
+        super().__init__(("127.0.0.1", 0), _OldServerHandler)
+        pki = cluster.dir / "pki"
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(pki / "apiserver.crt", pki / "apiserver.key")
+        self.socket = ctx.wrap_socket(self.socket, server_side=True)
+
+
+class _OldServerHandler(BaseHTTPRequestHandler):
+    server: _OldServer
+
+    def do_GET(self) -> None:
+        self.server.paths.append(self.path)
+        found = self.path == "/version"
+        body = json.dumps(self.server.doc if found else {"kind": "Status", "code": 404}).encode()
+        self.send_response(200 if found else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_server_below_the_floor_is_refused_by_name(
+    api: Api, cluster: kube_cluster.Cluster, exclusive: DraNode, workdir: Path
+) -> None:
+    """On a 1.36 API server the driver starts nothing (no socket, no slice), stays live and not Ready,
+    and its log and readiness name the server's version, the floor and what to do; the real v1.37.2
+    server is one it runs with (every other test here)."""
+    real = api.get("/version")
+    assert real["gitVersion"] == "v1.37.2" and version.refusal(real) == ""
+    old = _OldServer(cluster, {**real, "minor": "36", "gitVersion": "v1.36.2"})
+    threading.Thread(target=old.serve_forever, daemon=True).start()
+    tmp_path = workdir / "old"  # short: the socket paths the driver checks at its start
+    tmp_path.mkdir()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(kube_cluster.kubeconfig(f"https://127.0.0.1:{old.server_address[1]}", cluster.dir / "pki"))
+    log, health = tmp_path / "driver.log", tmp_path / "health"
+    kubelet = tmp_path / "kubelet"
+    proc = exclusive.spawn(
+        str(uuid.uuid4()),
+        exclusive.config,
+        log,
+        health,
+        *("--kubeconfig", str(kubeconfig), "--kubelet-dir", str(kubelet), "--cdi-dir", str(tmp_path / "cdi")),
+    )
+    try:
+        said = wait_for("the refusal logged", lambda: [r for r in exclusive.log_lines(log) if r["level"] == "error"])
+        assert [r["msg"] for r in said] == ["not serving this node: the API server is not supported"]
+        why = said[0]["error"]
+        for part in ("Kubernetes v1.36.2", "needs 1.37 or later (tested on v1.37.2)", "kubernetes#138882", "#139034"):
+            assert part in why
+        assert "rdma.lingjun.io/driver=devicePlugin" in why and "docs/dra.md, Supported versions" in why
+        wait_for("the health file", health.exists)
+        ready = _healthcheck(health, ready=True)
+        assert ready.returncode != 0 and why in ready.stderr
+        assert _healthcheck(health, ready=False).returncode == 0  # live: no restart loop that hides why
+        assert proc.poll() is None and old.paths and set(old.paths) == {"/version"}
+        assert not (kubelet / "plugins_registry").exists() and not list(kubelet.rglob("*.sock"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0 and not health.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+        old.shutdown()
+        old.server_close()
 
 
 def test_claim_uid_and_name_never_reach_beyond_their_file_and_url(api: Api, exclusive: DraNode, objs: Objects) -> None:
