@@ -336,6 +336,51 @@ def test_an_exclusive_claim_never_shares_its_nic(api: Api, shared: DraNode, objs
     assert unschedulable(api, "x1")
 
 
+def test_an_all_claim_on_the_exclusive_class_allocates_and_the_scheduler_stays_up(
+    api: Api, cluster: kube_cluster.Cluster, shared: DraNode, objs: Objects
+) -> None:
+    """kubernetes#138882 (why 1.36 is not supported, docs/dra.md): early 1.36 schedulers panic on an
+    ``allocationMode: All`` claim of devices that consume counters, as every exclusive view does. The
+    real v1.37.2 scheduler gives it every exclusive view of the node, and the same process goes on
+    deciding: a share of a NIC is refused while the claim holds them all."""
+    scheduler = cluster.state()["processes"]["kube-scheduler"]["pid"]  # type: ignore[index]
+    every = request("nics", EXCLUSIVE)
+    every["exactly"]["allocationMode"] = "All"
+    objs.claim("all-x", every)
+    objs.pod("all-x", shared, ("all-x",))
+    wait_for("the All claim's pod running", lambda: running(api, "all-x"))
+    assert sorted(allocated_devices(api, "all-x")) == sorted(X.values())
+    assert sorted(shared.got("all-x")[0]["RDMA_DEVICES"].split(",")) == NICS
+    objs.claim("after-all", request("nic", NIC, nic_is("mlx5_bond_0")))
+    objs.pod("after-all", shared, ("after-all",))
+    assert "cannot allocate all claims" in wait_for("the share refused", lambda: unschedulable(api, "after-all"))
+    assert cluster.running()["kube-scheduler"]
+    assert cluster.state()["processes"]["kube-scheduler"]["pid"] == scheduler  # type: ignore[index]
+
+
+def test_a_nic_shared_in_an_earlier_cycle_is_not_granted_exclusively(api: Api, shared: DraNode, objs: Objects) -> None:
+    """kubernetes#139034 (why 1.36 is not supported): early 1.36 schedulers forget shared allocations
+    when they rebuild the counters, so an exclusive view could be granted on a NIC shared in an earlier
+    scheduling cycle. On v1.37.2 the exclusive claim stays unallocated with the scheduler's reason, and
+    the share holds: its allocation unchanged, its pod running with the NIC."""
+    objs.claim("held", request("nic", NIC, nic_is("mlx5_bond_2")))
+    objs.pod("held", shared, ("held",))
+    wait_for("the share's pod running", lambda: running(api, "held"))
+    held = api.claim("held")["status"]["allocation"]
+    assert [r["device"] for r in held["devices"]["results"]] == [DEV["mlx5_bond_2"]]
+    objs.claim("grab", request("nic", EXCLUSIVE, nic_is("mlx5_bond_2")))
+    objs.pod("grab", shared, ("grab",))
+    reason = wait_for("the exclusive claim refused", lambda: unschedulable(api, "grab"))
+    assert "cannot allocate all claims" in reason
+    # Another cycle after a claim event (a share of another NIC allocated): still refused.
+    objs.claim("other", request("nic", NIC, nic_is("mlx5_bond_3")))
+    objs.pod("other", shared, ("other",))
+    wait_for("the other share's pod running", lambda: running(api, "other"))
+    assert allocated_devices(api, "grab") == [] and unschedulable(api, "grab")
+    assert api.claim("held")["status"]["allocation"] == held and running(api, "held")
+    assert shared.got("held")[0]["RDMA_DEVICES"] == "mlx5_bond_2"
+
+
 # ------------------------------------------------------------------ rdma/hca pods unchanged
 
 
