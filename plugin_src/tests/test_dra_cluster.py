@@ -1000,8 +1000,8 @@ def test_prepare_refuses_a_nic_prepared_for_another_claim_in_a_conflicting_view(
 
 
 def test_a_cached_answer_only_for_the_same_allocation(api: Api, exclusive: DraNode, objs: Objects) -> None:
-    """Concurrent prepares of one claim write it once; deallocated and allocated again under the same
-    UID, prepare answers the new allocation."""
+    """Concurrent prepares of one claim write it once (the node-wide serialize.lock runs them one at a
+    time); deallocated and allocated again under the same UID, prepare answers the new allocation."""
     objs.claim("realloc", request("nic", EXCLUSIVE))
     first, second = (_device(api, exclusive, nic, "exclusive") for nic in ("mlx5_bond_0", "mlx5_bond_1"))
     _write_allocation(api, "realloc", exclusive, first)
@@ -1035,6 +1035,72 @@ def test_a_cached_answer_only_for_the_same_allocation(api: Api, exclusive: DraNo
         assert "RDMA_DEVICES=mlx5_bond_1" in json.loads(cdi.read_text())["containerEdits"]["env"]
     finally:
         _unprepare(exclusive, uid, "realloc")
+
+
+def _waiting_in(thread: threading.Thread, function: str) -> bool:
+    """``thread`` is (blocked) in ``function`` now."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    return frame is not None and frame.f_code.co_name == function
+
+
+def test_calls_for_one_claim_wait_for_each_other_and_not_for_other_claims(
+    api: Api, cluster: kube_cluster.Cluster, objs: Objects, tmp_path: Path
+) -> None:
+    """The lock per claim, with the calls overlapping for real: the kubelet's calls take the node-wide
+    serialize.lock, but the orphan collector calls beside them, so :class:`Claims` keeps one call per
+    claim itself. A prepare of claim A held inside the driver (its read of the claim, from the real API
+    server, waits for the test): a second call for A waits for it, a call for claim B does not."""
+    from rdma_device_plugin.dra.claims import ClaimError, Claims
+
+    objs.claim("lock-a", request("nic", NIC))
+    objs.claim("lock-b", request("nic", NIC))
+    uid = {n: api.claim(n)["metadata"]["uid"] for n in ("lock-a", "lock-b")}
+    entered: list[str] = []  # the claims the driver read, in order; "released" when the test let A go
+    release = threading.Event()
+
+    class Held(kubeapi.Client):
+        def get(self, path: str, query: Any = None) -> dict[str, Any]:
+            name = path.rsplit("/", 1)[-1]
+            entered.append(name)
+            if entered == ["lock-a"]:  # the first call holds here until the test releases it
+                assert release.wait(120)
+            return super().get(path, query)
+
+    claims = Claims(
+        Held(kubeapi.from_kubeconfig(str(cluster.kubeconfig))),
+        DRIVER,
+        "nowhere",
+        str(tmp_path / "state"),
+        str(tmp_path / "cdi"),
+        lambda: model.build(DRIVER, "nowhere", "shared", [], [], {}),
+        [],
+    )
+    answers: dict[str, list[str]] = {}
+
+    def prepare(name: str) -> None:
+        try:
+            claims.prepare("default", uid[name], name)
+        except ClaimError as exc:  # not allocated: what a read of these claims answers
+            answers.setdefault(name, []).append(str(exc))
+
+    first = threading.Thread(target=prepare, args=("lock-a",))
+    first.start()
+    wait_for("the first prepare of lock-a held in its read", lambda: entered == ["lock-a"])
+    second = threading.Thread(target=prepare, args=("lock-a",))
+    second.start()
+    # Either through to its read (no lock) or blocked in the claim's lock: then it cannot get through.
+    wait_for("the second call in", lambda: entered.count("lock-a") == 2 or _waiting_in(second, "_serialized"))
+    other = threading.Thread(target=prepare, args=("lock-b",))
+    other.start()
+    other.join(timeout=120)
+    assert not other.is_alive() and answers["lock-b"] == ["claim default/lock-b is not allocated"]
+    assert entered == ["lock-a", "lock-b"] and second.is_alive()  # B went by; A's second call waits
+    entered.append("released")
+    release.set()
+    first.join(timeout=120)
+    second.join(timeout=120)
+    assert entered == ["lock-a", "lock-b", "released", "lock-a"]
+    assert answers["lock-a"] == ["claim default/lock-a is not allocated"] * 2
 
 
 class _OldServer(ThreadingHTTPServer):
