@@ -16,6 +16,7 @@ which device serves the extended resource (:mod:`.model`).
 from __future__ import annotations
 
 import argparse
+import http.client
 import logging
 import os
 import signal
@@ -201,7 +202,7 @@ class Driver:
         """Why the API server is not one to run with ('' when it is), and when to read it again."""
         try:
             return version.refusal(self.client.get("/version")), VERSION_RETRY_SECONDS
-        except (kubeapi.ApiError, OSError, ValueError) as exc:
+        except (kubeapi.ApiError, http.client.HTTPException, OSError, ValueError) as exc:
             return f"cannot read the API server's version ({exc})", VERSION_ERROR_RETRY_SECONDS
 
     def _wait_for_a_supported_server(self) -> bool:
