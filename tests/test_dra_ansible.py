@@ -187,6 +187,33 @@ def test_the_floor_is_one_for_the_driver_the_chart_and_the_deploy() -> None:
     assert (rdma_dra.KUBE_FLOOR, rdma_dra.KUBE_TESTED) == (version.FLOOR, version.TESTED)
 
 
+def test_which_nodes_dra_serves_and_which_pods_ask_local() -> None:
+    def node(name: str, label: str | None = None) -> dict[str, Any]:
+        return {"metadata": {"name": name, "labels": {} if label is None else {"rdma.lingjun.io/driver": label}}}
+
+    def pod(name: str, node: str, phase: str = "Running", init: bool = False, part: str = "limits") -> dict[str, Any]:
+        c = {"name": "c", "resources": {part: {"rdma/hca-local": "1"}}}
+        spec = {"nodeName": node, "containers": [{"name": "main"}], **({"initContainers": [c]} if init else {})}
+        if not init:
+            spec["containers"].append(c)
+        return {"metadata": {"namespace": "ml", "name": name}, "spec": spec, "status": {"phase": phase}}
+
+    nodes = [node("a"), node("b", "dra"), node("c", "devicePlugin")]
+    assert rdma_dra.dra_nodes(nodes, "rdma.lingjun.io/driver", "dra") == ["a", "b"]
+    assert rdma_dra.dra_nodes(nodes, "rdma.lingjun.io/driver", "devicePlugin") == ["b"]  # dra.enabled alone
+    pods = [
+        pod("p1", "a"),
+        pod("p2", "b", init=True, part="requests"),
+        pod("p3", "c"),  # stays on the device plugin
+        pod("p4", "a", phase="Succeeded"),
+        {"metadata": {"namespace": "ml", "name": "p5"}, "spec": {"nodeName": "a", "containers": [{"name": "c"}]}},
+    ]
+    found = rdma_dra.local_pods(pods, ["a", "b"], ["rdma/hca"])
+    assert found == [("ml/p1", "a", "rdma/hca-local"), ("ml/p2", "b", "rdma/hca-local")]
+    assert rdma_dra.local_pods(pods, ["a", "b"], ["rdma/other"]) == []
+    assert rdma_dra.local_pods_problem([], "k") == ""
+
+
 def test_a_cluster_below_the_floor_is_refused_naming_the_variable(cluster_with_nodes: tuple[Any, Path]) -> None:
     """The real v1.37.2 server's /version passes; the same document as a 1.36 server (or a provider's
     "36+") answers it is refused, naming rdma_driver and the next command."""
