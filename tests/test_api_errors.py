@@ -210,6 +210,7 @@ def _module(module: str, args: dict[str, object]) -> dict[str, object]:
         ("rdma_cluster_nodes", {"daemonset_namespace": "kube-system"}),
         ("rdma_node_labels", {"nodes": {"gpu-1": {"labels": {"a": "b"}}}}),
         ("rdma_mode_switch", {"node": "gpu-1", "to": "exclusive", "nics": 4}),
+        ("rdma_dra_preflight", {"resource_names": ["rdma/hca"]}),
     ],
 )
 def test_every_cluster_module_names_the_server_and_the_fix(

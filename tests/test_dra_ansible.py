@@ -19,6 +19,7 @@ from conftest import ROOT, run_playbook
 
 sys.path.insert(0, str(ROOT / "plugin_src" / "tests"))
 import dra_support as ds
+from ansible_collections.lingjun.rdma.plugins.module_utils import rdma_dra
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_dra import nic_count_problem, pools, verdict
 
 pytestmark = pytest.mark.timeout(900)
@@ -174,3 +175,94 @@ def test_deploy_renders_the_dra_driver(cluster_with_nodes: tuple[Any, Path]) -> 
     assert ("DaemonSet", "rdma-rdma-device-plugin-shared-dra") in names
     assert ("DeviceClass", "rdma-hca.extended.rdma.lingjun.io") in names
     assert ("ClusterRole", "rdma-rdma-device-plugin-dra") in names
+
+
+def test_the_floor_is_one_for_the_driver_the_chart_and_the_deploy() -> None:
+    from rdma_device_plugin.dra import version
+
+    tpl = (ROOT / "charts" / "rdma-device-plugin" / "templates" / "_validate.tpl").read_text()
+    floor = ".".join(map(str, version.FLOOR))
+    assert f'semverCompare "<{floor}.0-0" .Capabilities.KubeVersion.Version' in tpl
+    assert f"tested on {version.TESTED}" in tpl
+    assert (rdma_dra.KUBE_FLOOR, rdma_dra.KUBE_TESTED) == (version.FLOOR, version.TESTED)
+
+
+def test_which_nodes_dra_serves_and_which_pods_ask_local() -> None:
+    def node(name: str, label: str | None = None) -> dict[str, Any]:
+        return {"metadata": {"name": name, "labels": {} if label is None else {"rdma.lingjun.io/driver": label}}}
+
+    def pod(name: str, node: str, phase: str = "Running", init: bool = False, part: str = "limits") -> dict[str, Any]:
+        c = {"name": "c", "resources": {part: {"rdma/hca-local": "1"}}}
+        spec = {"nodeName": node, "containers": [{"name": "main"}], **({"initContainers": [c]} if init else {})}
+        if not init:
+            spec["containers"].append(c)
+        return {"metadata": {"namespace": "ml", "name": name}, "spec": spec, "status": {"phase": phase}}
+
+    nodes = [node("a"), node("b", "dra"), node("c", "devicePlugin")]
+    assert rdma_dra.dra_nodes(nodes, "rdma.lingjun.io/driver", "dra") == ["a", "b"]
+    assert rdma_dra.dra_nodes(nodes, "rdma.lingjun.io/driver", "devicePlugin") == ["b"]  # dra.enabled alone
+    pods = [
+        pod("p1", "a"),
+        pod("p2", "b", init=True, part="requests"),
+        pod("p3", "c"),  # stays on the device plugin
+        pod("p4", "a", phase="Succeeded"),
+        {"metadata": {"namespace": "ml", "name": "p5"}, "spec": {"nodeName": "a", "containers": [{"name": "c"}]}},
+    ]
+    found = rdma_dra.local_pods(pods, ["a", "b"], ["rdma/hca"])
+    assert found == [("ml/p1", "a", "rdma/hca-local"), ("ml/p2", "b", "rdma/hca-local")]
+    assert rdma_dra.local_pods(pods, ["a", "b"], ["rdma/other"]) == []
+    assert rdma_dra.local_pods_problem([], "k") == ""
+
+
+def test_a_cluster_below_the_floor_is_refused_naming_the_variable(cluster_with_nodes: tuple[Any, Path]) -> None:
+    """The real v1.37.2 server's /version passes; the same document as a 1.36 server (or a provider's
+    "36+") answers it is refused, naming rdma_driver and the next command."""
+    cluster, _ = cluster_with_nodes
+    real = ds.Api(cluster.kubeconfig).get("/version")
+    assert rdma_dra.version_problem(real) == ""
+    for minor, git in (("36", "v1.36.2"), ("36+", "v1.36.2-eks-1")):
+        problem = rdma_dra.version_problem({**real, "minor": minor, "gitVersion": git})
+        assert problem.startswith(f"the cluster runs Kubernetes {git}; rdma_driver=dra needs 1.37 or later")
+        assert "kubernetes#138882, #139034" in problem
+        assert "Next: upgrade the control plane and the kubelets to 1.37 and run ansible-playbook" in problem
+        assert problem.endswith("-e rdma_driver=devicePlugin")
+
+
+def test_deploy_refuses_pods_asking_a_local_resource_on_nodes_dra_would_serve(
+    cluster_with_nodes: tuple[Any, Path],
+) -> None:
+    """numaPools' <resource>-local has no DRA counterpart: before helm runs, the deploy lists the pods
+    that ask it on the nodes DRA would serve, names them (namespace/name, node, resource) and installs
+    nothing. A node kept on the device plugin by its label is not one of them."""
+    cluster, work = cluster_with_nodes
+    api = ds.Api(cluster.kubeconfig)
+    created: list[dict[str, Any]] = []
+    for node, labels in (("gpu-a", {}), ("gpu-b", {"rdma.lingjun.io/driver": "devicePlugin"})):
+        # Node objects without a kubelet: a pod bound to one stays Pending, as one waiting to be admitted.
+        created.append(api.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": labels}}))
+        p = ds.pod(f"train-{node}", node, limits={"rdma/hca-local": "1"}, grace=0)
+        p["metadata"]["namespace"] = "kube-system"  # the release's namespace: the chart's policies admit it
+        p["spec"]["hostNetwork"] = True
+        p["spec"]["containers"][0]["securityContext"] = {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
+        p["spec"]["nodeName"] = p["spec"].pop("nodeSelector")["kubernetes.io/hostname"]
+        created.append(api.create(p))
+    try:
+        inv = _inventory(
+            work,
+            cluster,
+            rdma_plugin_image_repository="127.0.0.1:5000/rdma/rdma-device-plugin",
+            plugin_deploy_helm_binary=str(ds.kube_bin() / "helm"),
+            rdma_validation_required=False,
+        )
+        run = run_playbook("-i", str(inv), "playbooks/deploy.yml")
+        out = run.stdout + run.stderr
+        assert run.returncode != 0, out
+        assert "Nothing was installed. 1 pod(s) on nodes DRA would serve ask a numaPools -local resource" in out, out
+        assert "kube-system/train-gpu-a on gpu-a (rdma/hca-local)" in out and "train-gpu-b" not in out
+        assert "kubectl label node <node> rdma.lingjun.io/driver=devicePlugin" in out
+        secrets = api.get("/api/v1/namespaces/kube-system/secrets", labelSelector="owner=helm")["items"]
+        assert not secrets  # helm never ran
+        assert not api.get("/apis/apps/v1/namespaces/kube-system/daemonsets")["items"]
+    finally:
+        for obj in reversed(created):
+            api.delete(obj)

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,7 @@ from gpu_dra_stub import GpuDraStub
 
 from rdma_device_plugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from rdma_device_plugin.config import load_config_data
-from rdma_device_plugin.dra import kubeapi, model
+from rdma_device_plugin.dra import kubeapi, model, version
 from rdma_device_plugin.dra.kubeletplugin import Paths
 from rdma_device_plugin.dra.model import PCI_BUS_ID, PCIE_ROOT
 from rdma_device_plugin.health import NicHealth
@@ -332,6 +334,51 @@ def test_an_exclusive_claim_never_shares_its_nic(api: Api, shared: DraNode, objs
     wait_for("the rdma/hca pod running", lambda: running(api, "hca"), timeout=180)
     assert allocated_devices(api, "s0") == [DEV["mlx5_bond_0"]]
     assert unschedulable(api, "x1")
+
+
+def test_an_all_claim_on_the_exclusive_class_allocates_and_the_scheduler_stays_up(
+    api: Api, cluster: kube_cluster.Cluster, shared: DraNode, objs: Objects
+) -> None:
+    """kubernetes#138882 (why 1.36 is not supported, docs/dra.md): early 1.36 schedulers panic on an
+    ``allocationMode: All`` claim of devices that consume counters, as every exclusive view does. The
+    real v1.37.2 scheduler gives it every exclusive view of the node, and the same process goes on
+    deciding: a share of a NIC is refused while the claim holds them all."""
+    scheduler = cluster.state()["processes"]["kube-scheduler"]["pid"]  # type: ignore[index]
+    every = request("nics", EXCLUSIVE)
+    every["exactly"]["allocationMode"] = "All"
+    objs.claim("all-x", every)
+    objs.pod("all-x", shared, ("all-x",))
+    wait_for("the All claim's pod running", lambda: running(api, "all-x"))
+    assert sorted(allocated_devices(api, "all-x")) == sorted(X.values())
+    assert sorted(shared.got("all-x")[0]["RDMA_DEVICES"].split(",")) == NICS
+    objs.claim("after-all", request("nic", NIC, nic_is("mlx5_bond_0")))
+    objs.pod("after-all", shared, ("after-all",))
+    assert "cannot allocate all claims" in wait_for("the share refused", lambda: unschedulable(api, "after-all"))
+    assert cluster.running()["kube-scheduler"]
+    assert cluster.state()["processes"]["kube-scheduler"]["pid"] == scheduler  # type: ignore[index]
+
+
+def test_a_nic_shared_in_an_earlier_cycle_is_not_granted_exclusively(api: Api, shared: DraNode, objs: Objects) -> None:
+    """kubernetes#139034 (why 1.36 is not supported): early 1.36 schedulers forget shared allocations
+    when they rebuild the counters, so an exclusive view could be granted on a NIC shared in an earlier
+    scheduling cycle. On v1.37.2 the exclusive claim stays unallocated with the scheduler's reason, and
+    the share holds: its allocation unchanged, its pod running with the NIC."""
+    objs.claim("held", request("nic", NIC, nic_is("mlx5_bond_2")))
+    objs.pod("held", shared, ("held",))
+    wait_for("the share's pod running", lambda: running(api, "held"))
+    held = api.claim("held")["status"]["allocation"]
+    assert [r["device"] for r in held["devices"]["results"]] == [DEV["mlx5_bond_2"]]
+    objs.claim("grab", request("nic", EXCLUSIVE, nic_is("mlx5_bond_2")))
+    objs.pod("grab", shared, ("grab",))
+    reason = wait_for("the exclusive claim refused", lambda: unschedulable(api, "grab"))
+    assert "cannot allocate all claims" in reason
+    # Another cycle after a claim event (a share of another NIC allocated): still refused.
+    objs.claim("other", request("nic", NIC, nic_is("mlx5_bond_3")))
+    objs.pod("other", shared, ("other",))
+    wait_for("the other share's pod running", lambda: running(api, "other"))
+    assert allocated_devices(api, "grab") == [] and unschedulable(api, "grab")
+    assert api.claim("held")["status"]["allocation"] == held and running(api, "held")
+    assert shared.got("held")[0]["RDMA_DEVICES"] == "mlx5_bond_2"
 
 
 # ------------------------------------------------------------------ rdma/hca pods unchanged
@@ -953,8 +1000,8 @@ def test_prepare_refuses_a_nic_prepared_for_another_claim_in_a_conflicting_view(
 
 
 def test_a_cached_answer_only_for_the_same_allocation(api: Api, exclusive: DraNode, objs: Objects) -> None:
-    """Concurrent prepares of one claim write it once; deallocated and allocated again under the same
-    UID, prepare answers the new allocation."""
+    """Concurrent prepares of one claim write it once (the node-wide serialize.lock runs them one at a
+    time); deallocated and allocated again under the same UID, prepare answers the new allocation."""
     objs.claim("realloc", request("nic", EXCLUSIVE))
     first, second = (_device(api, exclusive, nic, "exclusive") for nic in ("mlx5_bond_0", "mlx5_bond_1"))
     _write_allocation(api, "realloc", exclusive, first)
@@ -988,6 +1035,148 @@ def test_a_cached_answer_only_for_the_same_allocation(api: Api, exclusive: DraNo
         assert "RDMA_DEVICES=mlx5_bond_1" in json.loads(cdi.read_text())["containerEdits"]["env"]
     finally:
         _unprepare(exclusive, uid, "realloc")
+
+
+def _waiting_in(thread: threading.Thread, function: str) -> bool:
+    """``thread`` is (blocked) in ``function`` now."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    return frame is not None and frame.f_code.co_name == function
+
+
+def test_calls_for_one_claim_wait_for_each_other_and_not_for_other_claims(
+    api: Api, cluster: kube_cluster.Cluster, objs: Objects, tmp_path: Path
+) -> None:
+    """The lock per claim, with the calls overlapping for real: the kubelet's calls take the node-wide
+    serialize.lock, but the orphan collector calls beside them, so :class:`Claims` keeps one call per
+    claim itself. A prepare of claim A held inside the driver (its read of the claim, from the real API
+    server, waits for the test): a second call for A waits for it, a call for claim B does not."""
+    from rdma_device_plugin.dra.claims import ClaimError, Claims
+
+    objs.claim("lock-a", request("nic", NIC))
+    objs.claim("lock-b", request("nic", NIC))
+    uid = {n: api.claim(n)["metadata"]["uid"] for n in ("lock-a", "lock-b")}
+    entered: list[str] = []  # the claims the driver read, in order; "released" when the test let A go
+    release = threading.Event()
+
+    class Held(kubeapi.Client):
+        def get(self, path: str, query: Any = None) -> dict[str, Any]:
+            name = path.rsplit("/", 1)[-1]
+            entered.append(name)
+            if entered == ["lock-a"]:  # the first call holds here until the test releases it
+                assert release.wait(120)
+            return super().get(path, query)
+
+    claims = Claims(
+        Held(kubeapi.from_kubeconfig(str(cluster.kubeconfig))),
+        DRIVER,
+        "nowhere",
+        str(tmp_path / "state"),
+        str(tmp_path / "cdi"),
+        lambda: model.build(DRIVER, "nowhere", "shared", [], [], {}),
+        [],
+    )
+    answers: dict[str, list[str]] = {}
+
+    def prepare(name: str) -> None:
+        try:
+            claims.prepare("default", uid[name], name)
+        except ClaimError as exc:  # not allocated: what a read of these claims answers
+            answers.setdefault(name, []).append(str(exc))
+
+    first = threading.Thread(target=prepare, args=("lock-a",))
+    first.start()
+    wait_for("the first prepare of lock-a held in its read", lambda: entered == ["lock-a"])
+    second = threading.Thread(target=prepare, args=("lock-a",))
+    second.start()
+    # Either through to its read (no lock) or blocked in the claim's lock: then it cannot get through.
+    wait_for("the second call in", lambda: entered.count("lock-a") == 2 or _waiting_in(second, "_serialized"))
+    other = threading.Thread(target=prepare, args=("lock-b",))
+    other.start()
+    other.join(timeout=120)
+    assert not other.is_alive() and answers["lock-b"] == ["claim default/lock-b is not allocated"]
+    assert entered == ["lock-a", "lock-b"] and second.is_alive()  # B went by; A's second call waits
+    entered.append("released")
+    release.set()
+    first.join(timeout=120)
+    second.join(timeout=120)
+    assert entered == ["lock-a", "lock-b", "released", "lock-a"]
+    assert answers["lock-a"] == ["claim default/lock-a is not allocated"] * 2
+
+
+class _OldServer(ThreadingHTTPServer):
+    """An API server's ``/version`` as a lower release answers it (the real server's document, its
+    version fields changed), over TLS with the cluster's own serving certificate; nothing else served."""
+
+    def __init__(self, cluster: kube_cluster.Cluster, doc: dict[str, Any]) -> None:
+        self.doc, self.paths = doc, list[str]()
+        super().__init__(("127.0.0.1", 0), _OldServerHandler)
+        pki = cluster.dir / "pki"
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(pki / "apiserver.crt", pki / "apiserver.key")
+        self.socket = ctx.wrap_socket(self.socket, server_side=True)
+
+
+class _OldServerHandler(BaseHTTPRequestHandler):
+    server: _OldServer
+
+    def do_GET(self) -> None:
+        self.server.paths.append(self.path)
+        found = self.path == "/version"
+        body = json.dumps(self.server.doc if found else {"kind": "Status", "code": 404}).encode()
+        self.send_response(200 if found else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_server_below_the_floor_is_refused_by_name(
+    api: Api, cluster: kube_cluster.Cluster, exclusive: DraNode, workdir: Path
+) -> None:
+    """On a 1.36 API server the driver starts nothing (no socket, no slice), stays live and not Ready,
+    and its log and readiness name the server's version, the floor and what to do; the real v1.37.2
+    server is one it runs with (every other test here)."""
+    real = api.get("/version")
+    assert real["gitVersion"] == "v1.37.2" and version.refusal(real) == ""
+    old = _OldServer(cluster, {**real, "minor": "36", "gitVersion": "v1.36.2"})
+    threading.Thread(target=old.serve_forever, daemon=True).start()
+    tmp_path = workdir / "old"  # short: the socket paths the driver checks at its start
+    tmp_path.mkdir()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(kube_cluster.kubeconfig(f"https://127.0.0.1:{old.server_address[1]}", cluster.dir / "pki"))
+    log, health = tmp_path / "driver.log", tmp_path / "health"
+    kubelet = tmp_path / "kubelet"
+    proc = exclusive.spawn(
+        str(uuid.uuid4()),
+        exclusive.config,
+        log,
+        health,
+        *("--kubeconfig", str(kubeconfig), "--kubelet-dir", str(kubelet), "--cdi-dir", str(tmp_path / "cdi")),
+    )
+    try:
+        said = wait_for("the refusal logged", lambda: [r for r in exclusive.log_lines(log) if r["level"] == "error"])
+        assert [r["msg"] for r in said] == ["not serving this node: the API server is not supported"]
+        why = said[0]["error"]
+        for part in ("Kubernetes v1.36.2", "needs 1.37 or later (tested on v1.37.2)", "kubernetes#138882", "#139034"):
+            assert part in why
+        assert "rdma.lingjun.io/driver=devicePlugin" in why and "docs/dra.md, Supported versions" in why
+        wait_for("the health file", health.exists)
+        ready = _healthcheck(health, ready=True)
+        assert ready.returncode != 0 and why in ready.stderr
+        assert _healthcheck(health, ready=False).returncode == 0  # live: no restart loop that hides why
+        assert proc.poll() is None and old.paths and set(old.paths) == {"/version"}
+        assert not (kubelet / "plugins_registry").exists() and not list(kubelet.rglob("*.sock"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0 and not health.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+        old.shutdown()
+        old.server_close()
 
 
 def test_claim_uid_and_name_never_reach_beyond_their_file_and_url(api: Api, exclusive: DraNode, objs: Objects) -> None:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from rdma_device_plugin.dra import model
+from rdma_device_plugin.dra import model, version
 from rdma_device_plugin.health import NicHealth
 from rdma_node import fixtures, sysfs
 
@@ -219,3 +219,22 @@ def test_numa_pools_get_a_set_per_numa_node_in_shared_mode(tmp_path: object) -> 
     # Exclusive mode has no numaPools (the config refuses it): no NUMA sets.
     excl = model.build("d.example.com", "n", "exclusive", [r], views(tmp_path), {})
     assert not [d for d in excl.all_devices() if "numa" in d["name"]]
+
+
+@pytest.mark.parametrize(
+    ("doc", "refused"),
+    [
+        ({"major": "1", "minor": "37", "gitVersion": "v1.37.2"}, False),
+        ({"major": "1", "minor": "38+", "gitVersion": "v1.38.0-gke.1"}, False),  # a provider's "+"
+        ({"gitVersion": "v1.37.0"}, False),  # no major/minor: the gitVersion says
+        ({"major": "1", "minor": "36+", "gitVersion": "v1.36.9-eks-1"}, True),
+        ({"major": "1", "minor": "36", "gitVersion": "v1.36.2"}, True),
+    ],
+)
+def test_the_servers_below_the_floor(doc: dict[str, str], refused: bool) -> None:
+    why = version.refusal(doc)
+    assert bool(why) is refused
+    if refused:
+        assert why.startswith(f"the API server is Kubernetes {doc['gitVersion']}; the DRA driver needs 1.37 or later")
+    with pytest.raises(ValueError, match="names no version"):
+        version.server_version({"major": "", "gitVersion": "unknown"})

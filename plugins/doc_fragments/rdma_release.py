@@ -24,4 +24,10 @@ options:
     description: Release namespace.
     type: str
     default: kube-system
+  kube_version:
+    description:
+      - The Kubernetes version the chart is rendered for (C(helm template --kube-version)); empty keeps Helm's
+        offline default. The chart's version checks (the DRA driver's floor, 1.37) read it.
+    type: str
+    default: ""
 """

@@ -1,13 +1,20 @@
 # Copyright: rdma-device-plugin maintainers; Apache-2.0
-"""What a node's ResourceSlices say, for the verify of the DRA path (pure logic, no I/O).
+"""What a node's ResourceSlices say, for the verify of the DRA path, and what must hold before a
+deploy switches nodes to DRA (pure logic, no I/O).
 
 A node passes when the driver's pool of that node (``spec.pool.name`` = the node) is complete (every
 slice of its newest generation is there: ``resourceSliceCount``, the rule the scheduler's allocator
 uses) and it has devices, none tainted by the driver (a NIC down or gone: the taint's value says
 which and why).
+
+Before the deploy: the cluster is of the driver's floor or later (the driver's own dra/version.py,
+a test compares), and no pod on a node that DRA will serve asks a numaPools ``<resource>-local``
+resource, which has no DRA counterpart (docs/dra.md).
 """
 
 from __future__ import annotations
+
+import re
 
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import Verdict
 
@@ -122,4 +129,79 @@ def verdict(node, view, driver, release):
         "node %s: %d devices of %s published (generation %d, %d slice(s)), none tainted"
         % (node, len(view.devices), driver, view.generation, view.slices),
         False,
+    )
+
+
+KUBE_FLOOR = (1, 37)
+KUBE_TESTED = "v1.37.2"
+NEXT = "ansible-playbook playbooks/deploy.yml -i <your inventory>"
+
+
+def server_version(doc):
+    """(major, minor) of an API server's /version (a provider's "37+" counts as 37), None if it names none."""
+    major, minor = (re.match(r"\d+", str(doc.get(k) or "")) for k in ("major", "minor"))
+    if major and minor:
+        return int(major.group(0)), int(minor.group(0))
+    git = re.match(r"v?(\d+)\.(\d+)", str(doc.get("gitVersion") or ""))
+    return (int(git.group(1)), int(git.group(2))) if git else None
+
+
+def version_problem(doc):
+    """Why the DRA driver cannot run with the API server of ``doc`` (its /version), '' when it can."""
+    version = server_version(doc)
+    if version is None:
+        return "the API server's /version names no version (%r): cannot check the DRA driver's floor" % (doc,)
+    if version >= KUBE_FLOOR:
+        return ""
+    floor = "%d.%d" % KUBE_FLOOR
+    return (
+        "the cluster runs Kubernetes %s; rdma_driver=dra needs %s or later (tested on %s): 1.36's scheduler and "
+        "kubelet lack fixes the DRA driver relies on (kubernetes#138882, #139034, the v1 health API; docs/dra.md, "
+        "Supported versions). Next: upgrade the control plane and the kubelets to %s and run %s again, or keep the "
+        "device plugin: %s -e rdma_driver=devicePlugin"
+        % (doc.get("gitVersion") or "%d.%d" % version, floor, KUBE_TESTED, floor, NEXT, NEXT)
+    )
+
+
+def dra_nodes(nodes, label_key, driver):
+    """The names of ``nodes`` (API objects) the release serves by DRA: labelled ``dra``, or unlabelled
+    while the chart's ``driver`` is dra."""
+    out = []
+    for n in nodes:
+        meta = n.get("metadata") or {}
+        if ((meta.get("labels") or {}).get(label_key) or driver) == "dra":
+            out.append(meta.get("name", ""))
+    return sorted(out)
+
+
+def local_pods(pods, nodes, resources):
+    """(``namespace/name``, node, resource) of the unfinished pods bound to ``nodes`` that ask a
+    numaPools ``<resource>-local`` of ``resources`` (requests or limits, any container)."""
+    wanted = set(r + "-local" for r in resources)
+    nodes = set(nodes)
+    out = []
+    for p in pods:
+        spec, meta = p.get("spec") or {}, p.get("metadata") or {}
+        if spec.get("nodeName") not in nodes or (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        asked = set()
+        for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+            res = c.get("resources") or {}
+            asked.update(k for part in ("requests", "limits") for k in (res.get(part) or {}) if k in wanted)
+        for r in sorted(asked):
+            out.append(("%s/%s" % (meta.get("namespace"), meta.get("name")), spec["nodeName"], r))
+    return sorted(out)
+
+
+def local_pods_problem(found, label_key):
+    """The refusal for :func:`local_pods`' answer ('' when it is empty)."""
+    if not found:
+        return ""
+    shown = "; ".join("%s on %s (%s)" % f for f in found[:20]) + ("; ..." if len(found) > 20 else "")
+    return (
+        "%d pod(s) on nodes DRA would serve ask a numaPools -local resource, which has no DRA counterpart (no "
+        "DeviceClass; docs/dra.md, Migrating): %s. On DRA they and their replacements would stay Pending. Next: "
+        "move them to nodes kept on the device plugin (kubectl label node <node> %s=devicePlugin) or change them to "
+        "ask NICs by claim aligned with their GPUs (docs/dra.md), then run %s again"
+        % (len(found), shown, label_key, NEXT)
     )

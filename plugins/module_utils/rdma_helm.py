@@ -15,4 +15,18 @@ RELEASE_ARGS = {
     "values": {"type": "dict", "required": True},
     "release_name": {"type": "str", "default": "rdma"},
     "namespace": {"type": "str", "default": "kube-system"},
+    "kube_version": {"type": "str", "default": ""},
 }
+
+
+def render(chart, values, release_name, namespace, kube_version=""):
+    """The chart rendered offline by the Helm engine, as ``helm template --kube-version`` does: the
+    SDK's Chart.render has no kube_version, its native helm_render takes it ('' keeps Helm's default)."""
+    import json
+
+    from helm_python import _native
+
+    opts = {"name": release_name, "namespace": namespace}
+    if kube_version:
+        opts["kube_version"] = kube_version
+    return json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(opts)))

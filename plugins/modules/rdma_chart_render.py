@@ -66,7 +66,7 @@ config:
 import os
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_helm import RELEASE_ARGS
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_helm import RELEASE_ARGS, render
 
 
 def _write(path, text, check_mode):
@@ -106,7 +106,7 @@ def main():
 
     chart = helm_python.Chart.load(p["chart_path"])
     try:
-        rendered = chart.render(p["values"], name=p["release_name"], namespace=p["namespace"])
+        rendered = render(chart, p["values"], p["release_name"], p["namespace"], p["kube_version"])
     except helm_python.HelmError as exc:
         module.fail_json(msg=f"helm template failed: {exc}")
 

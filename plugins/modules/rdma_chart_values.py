@@ -60,7 +60,7 @@ import os
 import re
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_helm import RELEASE_ARGS
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_helm import RELEASE_ARGS, render
 
 _HELM_ERROR = re.compile(r"at '([^']*)': (.*)")
 
@@ -175,7 +175,7 @@ def main():
         import helm_python
 
         try:
-            chart.render(values, name=p["release_name"], namespace=p["namespace"])
+            render(chart, values, p["release_name"], p["namespace"], p["kube_version"])
         except helm_python.HelmError as exc:
             module.fail_json(
                 msg=f"The chart's own checks reject the values rendered from the inventory: {exc}",

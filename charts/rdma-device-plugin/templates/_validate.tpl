@@ -17,8 +17,12 @@ check fails.
 {{- if not (has $v.driver (list "devicePlugin" "dra")) }}
 {{- $errors = append $errors (printf "driver=%v: use devicePlugin or dra" $v.driver) }}
 {{- end }}
-{{- if and (include "rdma-device-plugin.draEnabled" .) (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "resource.k8s.io/v1/DeviceClass" "minKube" "1.36.0-0"))) }}
-{{- $errors = append $errors (printf "driver=dra (or dra.enabled) needs resource.k8s.io/v1 with consumable capacity and extended-resource DeviceClasses (Kubernetes >= 1.36), which this cluster (%s) does not serve; keep driver=devicePlugin and dra.enabled=false, or render with --kube-version/--api-versions of the real cluster (docs/dra.md)" .Capabilities.KubeVersion.Version) }}
+{{- /* the floor is what is tested (v1.37.2): 1.36 lacks scheduler and kubelet fixes the driver relies on
+(the driver's dra/version.py and the collection's rdma_dra_preflight hold the same floor) */}}
+{{- if and (include "rdma-device-plugin.draEnabled" .) (semverCompare "<1.37.0-0" .Capabilities.KubeVersion.Version) }}
+{{- $errors = append $errors (printf "driver=%v, dra.enabled=%v: the DRA driver needs Kubernetes 1.37 or later (tested on v1.37.2), this cluster is %s: 1.36's scheduler and kubelet lack fixes it relies on (kubernetes#138882, #139034, the v1 health API; docs/dra.md, Supported versions); upgrade the cluster to 1.37, or set driver=devicePlugin and dra.enabled=false (helm template: --kube-version of the real cluster)" $v.driver $v.dra.enabled .Capabilities.KubeVersion.Version) }}
+{{- else if and (include "rdma-device-plugin.draEnabled" .) (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "resource.k8s.io/v1/DeviceClass" "minKube" "1.37.0-0"))) }}
+{{- $errors = append $errors (printf "driver=dra (or dra.enabled) needs resource.k8s.io/v1 with consumable capacity and extended-resource DeviceClasses, which this cluster (%s) does not serve; keep driver=devicePlugin and dra.enabled=false, or render with --kube-version/--api-versions of the real cluster (docs/dra.md)" .Capabilities.KubeVersion.Version) }}
 {{- end }}
 {{- /* the DRA ClusterRole is bound to the chart's ServiceAccount: never to the namespace's default one,
 whose token every pod of the namespace gets */}}

@@ -123,7 +123,7 @@ def test_rbac_is_what_the_driver_calls() -> None:
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "kube-system"}]
 
 
-@pytest.mark.parametrize("version", ["1.36.0", "1.37.0"])
+@pytest.mark.parametrize("version", ["1.37.0"])
 def test_dra_manifests_valid_for_the_versions_that_serve_them(version: str) -> None:
     checked = 0
     for obj in objects({"driver": "dra"}, kube=f"v{version}"):
@@ -135,10 +135,26 @@ def test_dra_manifests_valid_for_the_versions_that_serve_them(version: str) -> N
 
 
 def test_dra_on_a_cluster_without_it_is_refused_with_the_fix() -> None:
+    # 1.37 or later whose discovery lists resource.k8s.io/v1 without DeviceClass: the API named
     with pytest.raises(helm_python.HelmError, match=r"driver=dra \(or dra.enabled\) needs resource.k8s.io/v1"):
-        render_raw({"driver": "dra"}, kube_version="v1.33.0", api_versions=(*VAP_KINDS, *MONITORING))
+        render_raw({"driver": "dra"}, kube_version="v1.37.2", api_versions=("resource.k8s.io/v1/ResourceClaim", *VAP_KINDS))
     with pytest.raises(helm_python.HelmError, match=r"at '/driver': value must be one of 'devicePlugin', 'dra'"):
         render_raw({"driver": "nvidia"}, kube_version="v1.37.0", api_versions=API)
+
+
+@pytest.mark.parametrize("kube", ["v1.36.2", "v1.33.0"])
+@pytest.mark.parametrize("values", [{"driver": "dra"}, {"dra": {"enabled": True}}])
+def test_dra_below_the_tested_floor_is_refused_by_name(kube: str, values: dict[str, Any]) -> None:
+    """1.36 serves the DRA API (with the API in discovery, as helm install sees it) but is not what is
+    tested: refused naming the cluster's version, the floor, the value that enables DRA and the fix."""
+    with pytest.raises(helm_python.HelmError) as err:
+        render_raw(values, kube_version=kube, api_versions=API)
+    message = str(err.value)
+    enabled = "driver=dra, dra.enabled=false" if "driver" in values else "driver=devicePlugin, dra.enabled=true"
+    assert f"{enabled}: the DRA driver needs Kubernetes 1.37 or later (tested on v1.37.2), this cluster is {kube}" in message
+    assert "kubernetes#138882, #139034" in message and "set driver=devicePlugin and dra.enabled=false" in message
+    assert message.count("1.37 or later") == 1  # one fault, one line (not also "needs resource.k8s.io/v1")
+    assert objects(values, kube="v1.37.0")  # the floor itself renders
 
 
 def test_slice_writes_are_scoped_to_the_drivers_node_and_driver() -> None:

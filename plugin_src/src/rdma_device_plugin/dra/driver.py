@@ -16,6 +16,7 @@ which device serves the extended resource (:mod:`.model`).
 from __future__ import annotations
 
 import argparse
+import http.client
 import logging
 import os
 import signal
@@ -27,7 +28,7 @@ from ..config import PluginConfig, load_config
 from ..discovery import Discovery
 from ..resources import ResourcePool
 from ..supervision import remove_health, write_health
-from . import kubeapi, model
+from . import kubeapi, model, version
 from .claims import Claims, read_boot_id
 from .inventory import Inventory
 from .kubeletplugin import Instances, Paths, instance_uid
@@ -39,6 +40,8 @@ LOG = logging.getLogger("rdma_device_plugin.dra")
 RELIST_CHECK_SECONDS = 1.0
 PUBLISH_MAX_AGE_SECONDS = 300.0
 COLLECT_SECONDS = 300.0  # orphaned prepared claims (the first pass right after the start)
+VERSION_RETRY_SECONDS = 60.0  # a server below the floor: read /version again (an upgrade starts the driver)
+VERSION_ERROR_RETRY_SECONDS = 5.0  # a server that did not answer
 
 
 def pool_config(config: PluginConfig) -> PluginConfig:
@@ -53,6 +56,7 @@ class Driver:
     def __init__(self, args: argparse.Namespace, config: PluginConfig, client: kubeapi.Client, uid: str) -> None:
         self.args = args
         self.config = config
+        self.client = client
         self.node = args.node_name
         self.driver = args.driver_name
         self.started = time.monotonic()
@@ -70,6 +74,7 @@ class Driver:
         self._published_lock = threading.Lock()
         self._key: object = None
         self.build_error = ""  # why the model of this node's NICs cannot be built (readiness)
+        self.version_error = ""  # why the API server is not one this driver runs with (readiness)
         self.feed = HealthFeed()
         self.first_published: float | None = None  # seconds from start to the first slices in the API
         self.paths = Paths.of(args.kubelet_dir, self.driver, uid)
@@ -184,12 +189,51 @@ class Driver:
 
     def not_ready(self) -> list[str]:
         """Why this instance does not serve its node yet, besides the kubelet's registration (readiness)."""
+        if self.version_error:
+            return [self.version_error]
         if self.build_error:
             return [f"cannot publish this node's NICs: {self.build_error}"]
         if self.publisher.superseded or self.publisher.in_sync.is_set():
             return []
         why = f": {self.publisher.last_error}" if self.publisher.last_error else ""
         return [f"this node's ResourceSlices (generation {self.publisher.generation}) are not all in the API yet{why}"]
+
+    def _server_refusal(self) -> tuple[str, float]:
+        """Why the API server is not one to run with ('' when it is), and when to read it again."""
+        try:
+            return version.refusal(self.client.get("/version")), VERSION_RETRY_SECONDS
+        except (kubeapi.ApiError, http.client.HTTPException, OSError, ValueError) as exc:
+            return f"cannot read the API server's version ({exc})", VERSION_ERROR_RETRY_SECONDS
+
+    def _wait_for_a_supported_server(self) -> bool:
+        """Start nothing (no sockets, no slices) until the API server is of the floor or later: live and
+        not Ready meanwhile, saying why, rather than a crash loop that says it only in old logs. False
+        when stopped first."""
+        next_check, said = 0.0, ""
+        while True:
+            now = time.monotonic()
+            if now >= next_check:
+                why, retry = self._server_refusal()
+                if not why:
+                    if said:
+                        LOG.info("the API server is of a supported version now: starting")
+                    self.version_error = ""
+                    return True
+                if why != said:
+                    LOG.error("not serving this node: the API server is not supported", extra={"error": why})
+                said, self.version_error, next_check = why, why, now + retry
+            if self.args.health_file:  # no registration expected yet: live, and readiness says why
+                write_health(
+                    self.args.health_file,
+                    {
+                        "pid": os.getpid(),
+                        "loops": {"version": {"last": time.time(), "max_age": 60.0}},
+                        "registered": False,
+                        "not_ready": self.not_ready(),
+                    },
+                )
+            if self.stop_event.wait(1.0):
+                return False
 
     def _hand_over(self) -> None:
         """Serve on until a newer instance is registered, for at most ``--handover-seconds``: the
@@ -214,6 +258,12 @@ class Driver:
                 LOG.error("cannot serve metrics", extra={"address": self.args.metrics_address, "error": str(exc)})
                 return 2
             LOG.info("serving Prometheus metrics", extra={"address": f"{host}:{port}"})
+        if not self._wait_for_a_supported_server():
+            self.metrics.stop()
+            if self.args.health_file:
+                remove_health(self.args.health_file)
+            LOG.info("stopped")
+            return 0
         self.instances.start()  # first: an older instance stops publishing once this one is alive
         self.discovery.full()
         self.rebuild(force=True)
