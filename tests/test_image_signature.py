@@ -174,6 +174,9 @@ def test_a_signed_image_is_deployed_by_the_digest_that_verified(deployed: dict[s
         ("unsigned", "no signatures found"),
         ("other", "a signature does not verify with"),
         ("moved", "no signatures found"),  # the tag names the image pushed after signing
+        # The image role's facts for a registry image it reused (its source-hash label matched, which
+        # anyone with push access can set): the digest it hands over is verified like any other.
+        ("reused", "no signatures found"),
     ],
 )
 def test_an_image_without_our_signature_is_refused_and_nothing_changes(
@@ -182,15 +185,20 @@ def test_an_image_without_our_signature_is_refused_and_nothing_changes(
     assert deployed["run"].returncode == 0, _flat(deployed["run"])[-3000:]
     before = _revisions(kube)
     reg, work = deployed["registry"], deployed["work"]
-    run = _deploy(kube, work, tag, rdma_plugin_image_repository=f"{reg.host}/{REPO}")
+    repo = f"{reg.host}/{REPO}"
+    if tag == "reused":
+        digest = deployed["digests"]["unsigned"]
+        ref = f"{repo}@{digest}"
+        run = _deploy(kube, work, "", plugin_image_ref=f"{repo}:unsigned@{digest}", plugin_image_digest=digest)
+    else:
+        digest = deployed["moved_to"] if tag == "moved" else deployed["digests"][tag]
+        ref = f"{repo}:{tag}"
+        run = _deploy(kube, work, tag, rdma_plugin_image_repository=repo)
     out = _flat(run)
     assert run.returncode != 0, out[-3000:]
-    digest = deployed["moved_to"] if tag == "moved" else deployed["digests"][tag]
-    assert (
-        f"The image {reg.host}/{REPO}:{tag} has no signature that verifies with plugin_deploy_image_verify_key" in out
-    )
+    assert f"The image {ref} has no signature that verifies with plugin_deploy_image_verify_key" in out, out[-3000:]
     assert why in out and digest in out, out[-3000:]
-    assert f"check with: {IMGSIG.resolve()} verify --key {work / 'ours.pub'} {reg.host}/{REPO}:{tag}" in out
+    assert f"check with: {IMGSIG.resolve()} verify --key {work / 'ours.pub'} {ref}" in out
     assert "Nothing was installed or rendered." in out
     assert _revisions(kube) == before  # no helm upgrade ran
     values = json.loads(kube.helm("get", "values", RELEASE, "-n", "kube-system", "-o", "json").stdout)

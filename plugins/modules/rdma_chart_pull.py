@@ -29,8 +29,8 @@ options:
     default: ~/.cache/rdma-device-plugin/charts
   digest:
     description:
-      - The digest (C(sha256:<64 hex>)) an C(oci://) chart must have: it is pulled by that digest (Helm checks it
-        against the registry's), and cached under it. Empty means the version is trusted. Ignored for a directory.
+      - The digest (C(sha256:<64 hex>)) an C(oci://) chart must have. It is pulled by that digest (Helm checks it
+        against the registry's) and cached under it. Empty means the version is trusted. Ignored for a directory.
     type: str
     default: ""
   plain_http:
