@@ -100,7 +100,7 @@ test-ops: setup kube imgsig ## automation and docs: example inventory offline ch
 test-node: setup system-deps kube ## the real-node tier: the chart's pods on the kubelet, containerd and runc (one node per machine)
 	$(PY) -m pytest tests/node --junitxml=out/test-results/node.xml
 
-test-molecule: setup system-deps kube ## every molecule scenario, for real on localhost
+test-molecule: setup system-deps kube imgsig ## every molecule scenario, for real on localhost
 	bash scripts/run-molecule.sh
 
 collection: setup kube ## a plain `ansible-galaxy collection build` of this repository, installed, and a playbook outside it running validate, deploy (Helm) and verify by FQCN against a real cluster
