@@ -205,6 +205,24 @@ def test_an_image_without_our_signature_is_refused_and_nothing_changes(
     assert values["image"]["digest"] == deployed["digests"]["signed"]
 
 
+def test_a_verifier_that_cannot_run_stops_the_deploy(deployed: dict[str, Any], kube: Kube) -> None:
+    before = _revisions(kube)
+    reg, work = deployed["registry"], deployed["work"]
+    run = _deploy(
+        kube,
+        work,
+        "signed",
+        rdma_plugin_image_repository=f"{reg.host}/{REPO}",
+        plugin_deploy_image_verifier="/nonexistent/imgsig",
+    )
+    out = _flat(run)
+    assert run.returncode != 0, out[-3000:]
+    assert "The image verifier /nonexistent/imgsig cannot run (" in out and "build it with make imgsig" in out, out[
+        -3000:
+    ]
+    assert "Nothing was installed or rendered." in out and _revisions(kube) == before
+
+
 def _push_chart(helm: str, chart: Path, dest: Path, host: str) -> str:
     """helm package + helm push to oci://<host>/charts; the digest Helm prints."""
     _run(helm, "package", chart, "--destination", dest)
