@@ -7,7 +7,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 
-.PHONY: help setup system-deps demo stop status prometheus-local test test-sequential lint test-plugin test-plugin-loaded test-chart test-ops test-node test-molecule collection image bench bench-fleet proto clean kube cluster-up cluster-down node-up node-down dra-demo
+.PHONY: help setup system-deps demo stop status prometheus-local test test-sequential lint test-plugin test-plugin-loaded test-chart test-ops test-node test-molecule collection image bench bench-fleet proto clean kube imgsig cluster-up cluster-down node-up node-down dra-demo
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -35,6 +35,11 @@ setup: $(VENV)/.stamp ## create .venv from the pinned requirements
 # prints progress; later ones come from Go's build cache in seconds.
 kube: ## build etcd, kube-apiserver, -controller-manager, -scheduler, kubectl, helm and kubelet-managers into .cache/kubernetes/<version>/bin
 	bash scripts/kube-build.sh
+
+# tools/imgsig: cosign's key-pair signature format from go-containerregistry and sigstore/sigstore (the
+# deploy role's image verifier, the tests' signer); about 2 minutes the first time, then a stamp skips it.
+imgsig: ## build the image signature verifier tools/imgsig into .cache/imgsig/bin
+	bash scripts/imgsig-build.sh
 
 cluster-up: setup kube ## a local control plane of upstream Kubernetes on 127.0.0.1; writes out/cluster/kubeconfig
 	$(PY) scripts/kube_cluster.py up --no-build
@@ -89,13 +94,13 @@ test-plugin-loaded: setup system-deps kube ## the plugin tests with stress-ng --
 test-chart: setup system-deps kube ## Helm chart tests (real Helm engine, Kubernetes schemas, CEL, promtool and a real Prometheus)
 	$(PY) -m pytest charts/rdma-device-plugin/tests --junitxml=out/test-results/chart.xml
 
-test-ops: setup kube ## automation and docs: example inventory offline check, typed variables, uninstall, runnable doc blocks
+test-ops: setup kube imgsig ## automation and docs: example inventory offline check, typed variables, uninstall, runnable doc blocks
 	$(PY) -m pytest tests --ignore=tests/node --junitxml=out/test-results/ops.xml
 
 test-node: setup system-deps kube ## the real-node tier: the chart's pods on the kubelet, containerd and runc (one node per machine)
 	$(PY) -m pytest tests/node --junitxml=out/test-results/node.xml
 
-test-molecule: setup system-deps kube ## every molecule scenario, for real on localhost
+test-molecule: setup system-deps kube imgsig ## every molecule scenario, for real on localhost
 	bash scripts/run-molecule.sh
 
 collection: setup kube ## a plain `ansible-galaxy collection build` of this repository, installed, and a playbook outside it running validate, deploy (Helm) and verify by FQCN against a real cluster
@@ -108,9 +113,9 @@ collection: setup kube ## a plain `ansible-galaxy collection build` of this repo
 # made them once, before the lanes start.
 LANE_CODE := lint test-plugin test-chart test-node collection
 LANE_OPS := test-ops test-molecule
-LANE_SKIP := -o setup -o system-deps -o kube -o $(VENV)/.stamp
+LANE_SKIP := -o setup -o system-deps -o kube -o imgsig -o $(VENV)/.stamp
 
-test: setup system-deps kube ## everything CI runs (two lanes side by side); ends with one "N passed, N failed" line
+test: setup system-deps kube imgsig ## everything CI runs (two lanes side by side); ends with one "N passed, N failed" line
 	rm -rf out/test-results
 	@start=$$(date +%s); \
 	  ( set -o pipefail; $(MAKE) --no-print-directory -j1 -k $(LANE_SKIP) $(LANE_CODE) 2>&1 | sed -u 's/^/[code] /' ) & code=$$!; \
@@ -120,7 +125,7 @@ test: setup system-deps kube ## everything CI runs (two lanes side by side); end
 	  $(PY) scripts/test-summary.py out/test-results; rc=$$?; \
 	  [ $$rc_code -eq 0 ] && [ $$rc_ops -eq 0 ] && exit $$rc; exit 1
 
-test-sequential: setup system-deps kube ## everything CI runs, one target after another
+test-sequential: setup system-deps kube imgsig ## everything CI runs, one target after another
 	rm -rf out/test-results
 	$(MAKE) --no-print-directory $(LANE_CODE) $(LANE_OPS)
 	$(PY) scripts/test-summary.py out/test-results

@@ -24,10 +24,12 @@
 #
 # Environment:
 #   RELEASE_REGISTRY   registry host[:port][/namespace] for the image and the chart (required)
-#   PLATFORMS          default linux/amd64,linux/arm64; a platform other than the host's needs qemu
-#                      binfmt handlers (the workflow installs them; `update-binfmts --display`)
-#   BASE_IMAGE         default docker.io/library/debian:bookworm-slim
-#   BASE_IMAGE_DIGEST  default: the digest the registry serves for BASE_IMAGE (skopeo)
+#   PLATFORMS          default linux/amd64, the one platform plugin_src/requirements*.lock hold hashes for
+#                      (docs/security.md: why arm64 is not built); another platform needs its hashes in the
+#                      locks and, when not the host's, qemu binfmt handlers (`update-binfmts --display`)
+#   BASE_IMAGE, BASE_IMAGE_DIGEST   default: the reference committed in plugin_src/base-image (nothing is
+#                      looked up from a tag at release time; scripts/bump-base-image.sh moves the pin);
+#                      another BASE_IMAGE needs its BASE_IMAGE_DIGEST
 #   TLS_VERIFY         true (default), or false for a plain-HTTP registry (127.0.0.1)
 #   REGISTRY_USER, REGISTRY_PASSWORD   a login for the pushes (optional; the password goes to the
 #                      login through stdin, into an auth file of its own that is removed at the end)
@@ -45,8 +47,30 @@ phase=${2:-all}
 [[ $phase =~ ^(all|build|publish)$ ]] || { echo "release: phase '$phase': use all, build or publish" >&2; exit 2; }
 version=${tag#v}
 : "${RELEASE_REGISTRY:?RELEASE_REGISTRY (registry host[:port][/namespace]) is required, e.g. ghcr.io/lingjun-rdma}"
-PLATFORMS=${PLATFORMS:-linux/amd64,linux/arm64}
-BASE_IMAGE=${BASE_IMAGE:-docker.io/library/debian:bookworm-slim}
+PLATFORMS=${PLATFORMS:-linux/amd64}
+if [[ -z ${BASE_IMAGE:-} ]]; then
+  # the committed pin: its one line that is not a comment, <name>@sha256:<digest>
+  pinned=$(grep -v '^#' plugin_src/base-image)
+  BASE_IMAGE=${pinned%@*} BASE_IMAGE_DIGEST=${pinned#*@}
+fi
+[[ ${BASE_IMAGE_DIGEST:-} =~ ^sha256:[0-9a-f]{64}$ ]] || {
+  echo "release: BASE_IMAGE=$BASE_IMAGE needs BASE_IMAGE_DIGEST=sha256:<64 hex> (got '${BASE_IMAGE_DIGEST:-}'):" \
+    "a release builds FROM a digest, never a tag; leave BASE_IMAGE unset for the committed plugin_src/base-image," \
+    "or move that pin with scripts/bump-base-image.sh" >&2
+  exit 2
+}
+# Every platform needs its wheels' hashes in the locks (pip --require-hashes refuses any other file):
+# scripts/lock-image-deps.sh writes the platforms it hashed into the lock's header.
+locked=$(sed -n 's/^# .*Hashes: scripts\/lock-image-deps.sh (CPython [0-9.]*, \(.*\))\.$/\1/p' plugin_src/requirements.lock)
+for platform in ${PLATFORMS//,/ }; do
+  arch=$(echo "${platform#*/}" | sed -e 's/amd64/x86_64/' -e 's/arm64/aarch64/')
+  [[ ", $locked, " == *", ${platform%%/*} $arch, "* ]] || {
+    echo "release: PLATFORMS names $platform, but plugin_src/requirements.lock holds hashes for $locked only:" \
+      "pip --require-hashes would refuse its wheels. Leave it out of PLATFORMS, or hash its wheels into the" \
+      "locks (scripts/lock-image-deps.sh) and build it under qemu (docs/security.md)" >&2
+    exit 2
+  }
+done
 TLS_VERIFY=${TLS_VERIFY:-true}
 STORAGE_DRIVER=${STORAGE_DRIVER:-vfs}
 BUILD_ISOLATION=${BUILD_ISOLATION:-chroot}
@@ -102,10 +126,7 @@ for platform in ${PLATFORMS//,/ }; do
       "binfmt handler is registered: install qemu-user-static (Debian/Ubuntu), or leave it out of PLATFORMS"
   fi
 done
-if [[ -z ${BASE_IMAGE_DIGEST:-} ]]; then
-  # the digest of what the reference names (a manifest list for a multi-platform base)
-  BASE_IMAGE_DIGEST=sha256:$(skopeo inspect --raw "docker://$BASE_IMAGE" | sha256sum | cut -d' ' -f1)
-fi
+echo "  base $BASE_IMAGE@$BASE_IMAGE_DIGEST"
 context=$(mktemp -d "${TMPDIR:-/tmp}/rdma-release.XXXXXX")
 list=localhost/rdma-device-plugin-release:$version
 # Two contexts, as the plugin_image role builds: the plugin, and the node package (rdma-node: its

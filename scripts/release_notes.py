@@ -107,7 +107,7 @@ def main() -> int:
     n.add_argument("--image", required=True)
     n.add_argument("--chart", required=True)
     n.add_argument("--collection", required=True)
-    n.add_argument("--platforms", default="linux/amd64, linux/arm64")
+    n.add_argument("--platforms", default="linux/amd64")
     n.add_argument("--draft", action="store_true")
     args = parser.parse_args()
     if args.command == "check":
