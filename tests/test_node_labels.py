@@ -41,6 +41,17 @@ NS = "kube-system"
 RDMA = {"feature.node.kubernetes.io/pci-15b3.present": "true"}
 
 
+def test_the_roles_pass_the_charts_keys() -> None:
+    """The roles' defaults are the chart's (the deploy passes them as values), and their legacy keys
+    are the old ones this file's migration test starts from."""
+    defaults = yaml.safe_load((ROOT / "roles/rdma_node_facts/defaults/main.yml").read_text())
+    assert {k: defaults[f"rdma_{k}_label_key"] for k in KEYS} == KEYS
+    assert sorted(defaults["rdma_legacy_label_keys"]) == sorted(LEGACY.values())
+    template = (ROOT / "roles/plugin_deploy/templates/values.yaml.j2").read_text()
+    for value, var in (("modeLabelKey", "mode"), ("driverLabelKey", "driver"), ("labelKey", "validated")):
+        assert f"{value}: {{{{ rdma_{var}_label_key | to_json }}}}" in template
+
+
 def _as_kubelet(kube: Kube, tmp_path: Path, node: str) -> Callable[..., subprocess.CompletedProcess[str]]:
     """kubectl with the credential a kubelet of ``node`` holds: a client certificate of
     system:node:<node> in system:nodes, signed by the cluster's CA."""
