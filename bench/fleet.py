@@ -480,7 +480,8 @@ def check_validate(base: Path, hosts: int, broken: set[str], cluster: Emulator |
     counts = {k: len(v) if isinstance(v, list) else v for k in REPORT_KEYS for v in [report[k]]}
     print(f"validate report: {counts}", flush=True)
     if cluster is not None:
-        labels = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}).get("rdma.lingjun.io/validated")
+        key = "node-restriction.kubernetes.io/rdma-validated"
+        labels = {n["metadata"]["name"]: (n["metadata"].get("labels") or {}).get(key)
                   for n in cluster.request("GET", "/api/v1/nodes")["items"]}  # fmt: skip
         wrong = [n for n, v in labels.items() if v != ("false" if n in broken else "true")]
         if wrong:

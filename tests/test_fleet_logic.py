@@ -67,7 +67,11 @@ def test_verdict_messages_name_the_next_step() -> None:
     down = fleet.verdict(want, _seen("shared", "1k", "0"), CLUSTER)
     assert not down.ok and not down.final and "a NIC port left ACTIVE" in down.msg
     gated = fleet.verdict(want, _seen("shared", None, None, validated="false"), CLUSTER)
-    assert gated.final and "rdma.lingjun.io/validated=false" in gated.msg and CLUSTER.report in gated.msg
+    assert (
+        gated.final
+        and "node-restriction.kubernetes.io/rdma-validated=false" in gated.msg
+        and CLUSTER.report in gated.msg
+    )
     unknown = fleet.verdict(fleet.Want("h", "gpu-x"), _seen("exclusive", "4", "4"), CLUSTER)
     assert unknown.final and "NIC count is unknown" in unknown.msg and "(inventory host h)" in unknown.msg
     missing = fleet.verdict(want, None, CLUSTER)

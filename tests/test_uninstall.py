@@ -22,8 +22,8 @@ from kube_pytest import Kube  # noqa: E402
 
 pytest_plugins = ["kube_pytest"]
 
-LABEL = "rdma.lingjun.io/mode"
-VALIDATED = "rdma.lingjun.io/validated"
+LABEL = "node-restriction.kubernetes.io/rdma-mode"
+VALIDATED = "node-restriction.kubernetes.io/rdma-validated"
 VALIDATED_AT = "rdma.lingjun.io/validated-at"
 NODES = ("gpu-1", "gpu-2")
 
@@ -86,7 +86,7 @@ def test_check_then_uninstall(tmp_path: Path, inventory: Path, kube: Kube) -> No
     )
     assert check.returncode == 0, check.stdout[-3000:]
     out = " ".join(check.stdout.split())
-    assert "--check: would remove the labels rdma.lingjun.io/mode and rdma.lingjun.io/validated" in out
+    assert f"--check: would remove the labels {LABEL} and {VALIDATED}" in out
     assert "from 2 node(s) (gpu-1, gpu-2)" in out
     assert "gpu-1: --check: would remove 1 CDI spec(s)" in out
     assert all(labels[LABEL] == "exclusive" and labels[VALIDATED] == "true" for labels in _labels(kube).values())

@@ -52,7 +52,9 @@ def test_bad_nodes_fail_first_then_the_labelling(inventory: Path, tmp_path: Path
     assert _recap(result.stdout, "localhost")["failed"] == 1, result.stdout[-1500:]
     assert "expected 8" in out  # the bad node's own finding, in its own failure
     # the controller's failure comes after the nodes' and names the fix and the switch
-    assert out.index("fatal: [gpu-bad]") < out.index("The validation labels (rdma.lingjun.io/validated) could not be")
+    assert out.index("fatal: [gpu-bad]") < out.index(
+        "The validation labels (node-restriction.kubernetes.io/rdma-validated) could"
+    )
     assert f"the kubeconfig {tmp_path / 'no-cluster-yet'} does not exist" in out
     assert "-e rdma_validation_label=false" in out
     report = json.loads((tmp_path / "out" / "validation" / "rdma-validation.json").read_text())

@@ -230,8 +230,9 @@ class DraNode:
         cfg = {"version": "v1", "mode": mode, "health": {"vanishGraceSeconds": 300}, **(config or {})}
         self.config = root / "dra-config.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
+        labels = {"node-restriction.kubernetes.io/rdma-mode": mode}
         self.node = kube_cluster.Node(
-            cluster, name, root, index=index, labels={"rdma.lingjun.io/mode": mode}, capacity={"pods": "2000"}
+            cluster, name, root, index=index, labels=labels, capacity={"pods": "2000"}
         ).start()
         self.kubeconfig = cluster.kubeconfig
         self.proc: subprocess.Popen[bytes] | None = None

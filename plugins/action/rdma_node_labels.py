@@ -3,7 +3,8 @@
 in Python, then one run of the module (one node list, a merge patch per node that changes).
 
 With ``validated_fact`` (playbooks/validate.yml) each host whose findings are in that fact gets
-``rdma.lingjun.io/validated=true`` (every check passed) or ``false``, and the annotation
+``<validated_label>=true`` (every check passed) or ``false`` (``validated_label``: the role's
+rdma_validated_label_key), and the annotation
 ``rdma.lingjun.io/validated-at`` (RFC 3339, UTC, this run); a host without findings (unreachable,
 not read) is left as it is. With ``remove_labels``/``remove_annotations`` (playbooks/uninstall.yml)
 every host's node loses those keys. Without ``hosts`` nothing is done; without ``nodes`` given it
@@ -26,7 +27,7 @@ from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import VAL
 from ansible_collections.lingjun.rdma.plugins.plugin_utils import rdma_spool
 from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import Hosts
 
-OWN_ARGS = ("hosts", "validated_fact", "remove_labels", "remove_annotations", "spool", "failed")
+OWN_ARGS = ("hosts", "validated_fact", "validated_label", "remove_labels", "remove_annotations", "spool", "failed")
 
 
 def passed(fact):
@@ -44,8 +45,9 @@ class ActionModule(ActionBase):
         args = dict(self._task.args)
         own = dict((k, args.pop(k, None)) for k in OWN_ARGS)
         failed = set(own["failed"] or [])
+        label = own["validated_label"] or VALIDATED_LABEL
         if own["spool"] and rdma_spool.hosts():
-            return self._spooled(result, args, failed, task_vars)
+            return self._spooled(result, args, failed, label, task_vars)
         if own["hosts"] is not None:
             values = Hosts(task_vars)
             now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -59,7 +61,7 @@ class ActionModule(ActionBase):
                     if ok is None:
                         skipped.append(host)
                         continue
-                    want["labels"][VALIDATED_LABEL] = "true" if ok else "false"
+                    want["labels"][label] = "true" if ok else "false"
                     want["annotations"][VALIDATED_AT_ANNOTATION] = now
                     verdicts[name] = ok
                 for key in own["remove_labels"] or []:
@@ -79,7 +81,7 @@ class ActionModule(ActionBase):
         )
         return result
 
-    def _spooled(self, result, args, failed, task_vars):
+    def _spooled(self, result, args, failed, label, task_vars):
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         nodes, skipped, verdicts = {}, [], {}
         for host in rdma_spool.hosts():
@@ -90,7 +92,7 @@ class ActionModule(ActionBase):
             name = entry.get("node_name") or host
             verdicts[name] = host not in failed
             nodes[name] = {
-                "labels": {VALIDATED_LABEL: "true" if verdicts[name] else "false"},
+                "labels": {label: "true" if verdicts[name] else "false"},
                 "annotations": {VALIDATED_AT_ANNOTATION: now},
             }
         result["not_labelled"] = skipped

@@ -65,7 +65,7 @@ class ActionModule(ActionBase):
                 msg="one Helm release deploys every node of the inventory with the controller's values, but these "
                 "node hosts resolve other chart variables: %s. Fix: set these variables once for all nodes "
                 "(group_vars/all.yml or -e), not per host or per node group; per-node differences belong in node "
-                "labels (rdma.lingjun.io/mode)." % "; ".join(differ),
+                "labels (node-restriction.kubernetes.io/rdma-mode)." % "; ".join(differ),
             )
             return result
         if ipv6_failed and not gating:
@@ -82,7 +82,7 @@ class ActionModule(ActionBase):
             notes.append(
                 "rdma_non_host_network=true: validation gating keeps the plugin off the nodes that failed the IPv6 "
                 "compute-network validation (labelled %s=false): %s; see %s"
-                % ("rdma.lingjun.io/validated", "; ".join(ipv6_failed), report)
+                % ("node-restriction.kubernetes.io/rdma-validated", "; ".join(ipv6_failed), report)
             )
         if unvalidated:
             shown = ", ".join(unvalidated[:10]) + (" and %d more" % (len(unvalidated) - 10) if len(unvalidated) > 10 else "")

@@ -24,6 +24,8 @@ from ansible.errors import AnsibleActionFail
 from ansible.plugins.action import ActionBase
 from ansible.utils.display import Display
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import (
+    MODE_LABEL,
+    VALIDATED_LABEL,
     Cluster,
     Want,
     rolled_out,
@@ -35,7 +37,7 @@ from ansible_collections.lingjun.rdma.plugins.plugin_utils.rdma_hosts import Hos
 
 display = Display()
 
-MODULE_ARGS = ("kubeconfig", "context", "request_timeout", "label_selector", "page_size", "resource_name", "mode_label_key")
+MODULE_ARGS = ("kubeconfig", "context", "request_timeout", "label_selector", "page_size", "resource_name", "mode_label_key", "validated_label_key")
 
 
 class ActionModule(ActionBase):
@@ -58,7 +60,8 @@ class ActionModule(ActionBase):
             raise AnsibleActionFail("rdma_verify: verdicts_dir (where each host's verdict is written) is empty")
         cluster = Cluster(
             resource=args.get("resource_name", "rdma/hca"),
-            mode_label_key=args.get("mode_label_key", "rdma.lingjun.io/mode"),
+            mode_label_key=args.get("mode_label_key", MODE_LABEL),
+            validated_label_key=args.get("validated_label_key", VALIDATED_LABEL),
             default_mode=args.pop("default_mode", "shared"),
             shared_devices=args.pop("shared_devices", 1000),
             release=args.pop("release", "rdma"),

@@ -95,7 +95,7 @@ def verdict(node, view, driver, release):
         return Verdict(
             False,
             "node %s: no ResourceSlice of driver %s. Next: is the DRA driver running there (label "
-            "rdma.lingjun.io/driver=dra or driver: dra; kubectl -n <namespace> get pods -l "
+            "node-restriction.kubernetes.io/rdma-driver=dra or driver: dra; kubectl -n <namespace> get pods -l "
             "app.kubernetes.io/instance=%s,app.kubernetes.io/component=dra-driver -o wide and its log)?"
             % (node, driver, release),
             False,

@@ -12,8 +12,11 @@ from __future__ import annotations
 import math
 import re
 
-# The node label and annotation validate writes (the chart's validation.required matches the label).
-VALIDATED_LABEL = "rdma.lingjun.io/validated"
+# The defaults of the modules (the roles pass rdma_validated_label_key, rdma_mode_label_key): the node
+# labels under node-restriction.kubernetes.io/, which no kubelet may set on its own Node, and the
+# annotation validate writes (the chart's validation.required matches the label).
+VALIDATED_LABEL = "node-restriction.kubernetes.io/rdma-validated"
+MODE_LABEL = "node-restriction.kubernetes.io/rdma-mode"
 VALIDATED_AT_ANNOTATION = "rdma.lingjun.io/validated-at"
 MODES = ("shared", "exclusive")
 
@@ -101,7 +104,7 @@ class Cluster(object):
     def __init__(
         self,
         resource="rdma/hca",
-        mode_label_key="rdma.lingjun.io/mode",
+        mode_label_key=MODE_LABEL,
         default_mode="shared",
         shared_devices=1000,
         release="rdma",
@@ -109,6 +112,7 @@ class Cluster(object):
         validation_required=False,
         report="",
         selector="",
+        validated_label_key=VALIDATED_LABEL,
     ):
         self.resource = resource
         self.mode_label_key = mode_label_key
@@ -119,6 +123,7 @@ class Cluster(object):
         self.validation_required = validation_required
         self.report = report
         self.selector = selector
+        self.validated_label_key = validated_label_key
 
 
 def _shown(value):
@@ -196,7 +201,8 @@ def _next_step(want, seen, cluster, expected):
     # node shows it, tests/node). So 0, like absent, means no plugin serves it.
     if cap is None or cap == 0:
         if cluster.validation_required and validated != "true":
-            state = "%s=%s" % (VALIDATED_LABEL, validated) if validated is not None else "no %s label" % VALIDATED_LABEL
+            key = cluster.validated_label_key
+            state = "%s=%s" % (key, validated) if validated is not None else "no %s label" % key
             where = " (see %s)" % cluster.report if cluster.report else ""
             return (
                 "the node is not validated (%s), so validation.required keeps the plugin off it: fix its "
@@ -215,7 +221,7 @@ def _next_step(want, seen, cluster, expected):
     )
 
 
-def node_view(node, resource, mode_label_key):
+def node_view(node, resource, mode_label_key, validated_label_key=VALIDATED_LABEL):
     """The few fields of a Node object a verdict needs (what the module returns per node)."""
     meta = node.get("metadata") or {}
     labels = meta.get("labels") or {}
@@ -224,7 +230,7 @@ def node_view(node, resource, mode_label_key):
         "mode": labels.get(mode_label_key),
         "capacity": (status.get("capacity") or {}).get(resource),
         "allocatable": (status.get("allocatable") or {}).get(resource),
-        "validated": labels.get(VALIDATED_LABEL),
+        "validated": labels.get(validated_label_key),
         "unschedulable": bool((node.get("spec") or {}).get("unschedulable")),
     }
 

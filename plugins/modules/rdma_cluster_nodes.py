@@ -33,7 +33,11 @@ options:
   mode_label_key:
     description: The node label that picks the mode.
     type: str
-    default: rdma.lingjun.io/mode
+    default: node-restriction.kubernetes.io/rdma-mode
+  validated_label_key:
+    description: The node label validate sets (what validation.required selects on).
+    type: str
+    default: node-restriction.kubernetes.io/rdma-validated
   daemonset_namespace:
     description: Namespace of the release's DaemonSets; empty reads none.
     type: str
@@ -68,7 +72,7 @@ requests:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import daemonset_view, node_view
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import MODE_LABEL, VALIDATED_LABEL, daemonset_view, node_view
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_k8s import CONNECTION_ARGS, Cluster, K8sError
 
 
@@ -79,7 +83,8 @@ def main():
             label_selector={"type": "str", "default": ""},
             page_size={"type": "int", "default": 500},
             resource_name={"type": "str", "default": "rdma/hca"},
-            mode_label_key={"type": "str", "default": "rdma.lingjun.io/mode"},
+            mode_label_key={"type": "str", "default": MODE_LABEL},
+            validated_label_key={"type": "str", "default": VALIDATED_LABEL},
             daemonset_namespace={"type": "str", "default": ""},
             daemonset_selector={"type": "str", "default": ""},
         ),
@@ -98,7 +103,7 @@ def main():
     module.exit_json(
         changed=False,
         nodes=dict(
-            (n["metadata"]["name"], node_view(n, p["resource_name"], p["mode_label_key"])) for n in nodes
+            (n["metadata"]["name"], node_view(n, p["resource_name"], p["mode_label_key"], p["validated_label_key"])) for n in nodes
         ),
         daemonsets=sorted((daemonset_view(d) for d in daemonsets), key=lambda d: d["name"]),
         requests=cluster.requests,

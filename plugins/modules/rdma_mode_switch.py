@@ -30,7 +30,7 @@ options:
   nics_source: {description: Where I(nics) comes from (said in messages)., type: str, default: ""}
   resource_name: {description: The extended resource., type: str, default: rdma/hca}
   shared_devices: {description: The shared shape., type: int, default: 1000}
-  mode_label_key: {description: The mode label., type: str, default: rdma.lingjun.io/mode}
+  mode_label_key: {description: The mode label., type: str, default: node-restriction.kubernetes.io/rdma-mode}
   timeout: {description: Seconds to wait for the new shape., type: int, default: 120}
   poll_interval: {description: Seconds between two reads of the node., type: int, default: 2}
   drain_timeout: {description: Seconds to wait for the evicted pods to be gone., type: int, default: 120}
@@ -60,7 +60,7 @@ evicted:
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import format_quantity, parse_quantity
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import MODE_LABEL, format_quantity, parse_quantity
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_k8s import CONNECTION_ARGS, Cluster, K8sError
 
 
@@ -284,7 +284,7 @@ def main():
             nics_source={"type": "str", "default": ""},
             resource_name={"type": "str", "default": "rdma/hca"},
             shared_devices={"type": "int", "default": 1000},
-            mode_label_key={"type": "str", "default": "rdma.lingjun.io/mode"},
+            mode_label_key={"type": "str", "default": MODE_LABEL},
             timeout={"type": "int", "default": 120},
             poll_interval={"type": "int", "default": 2},
             drain_timeout={"type": "int", "default": 120},

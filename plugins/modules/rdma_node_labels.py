@@ -14,8 +14,10 @@ description:
     cluster are reported, not created.
   - In check mode each patch is sent with C(dryRun=All) (the API validates it, nothing is stored)
     and the result says what would change.
-  - C(playbooks/validate.yml) uses it (through its action) to write C(rdma.lingjun.io/validated) and
-    C(rdma.lingjun.io/validated-at); C(playbooks/uninstall.yml) to remove them and the mode label.
+  - C(playbooks/validate.yml) uses it (through its action) to write the validated label
+    (C(rdma_validated_label_key)) and C(rdma.lingjun.io/validated-at); C(playbooks/uninstall.yml) to remove
+    them and the mode label; the cluster deploy to move the labels of their keys before chart 3.0.0
+    (O(copy_labels) before the upgrade, O(drop_labels) after it).
 version_added: "0.3.0"
 author: rdma-device-plugin maintainers
 extends_documentation_fragment: [lingjun.rdma.rdma_k8s]
@@ -23,7 +25,18 @@ options:
   nodes:
     description: Node name -> C({labels, annotations}), each a mapping of key to value (null removes the key).
     type: dict
-    required: true
+    default: {}
+  copy_labels:
+    description: >-
+      Old key -> new key: every node of the cluster that has the old label and not the new one gets the new
+      one with the old one's value (a node that has the new key keeps its value).
+    type: dict
+    default: {}
+  drop_labels:
+    description: Label keys removed from every node of the cluster that has them.
+    type: list
+    elements: str
+    default: []
   page_size:
     description: Items per page of the node list.
     type: int
@@ -46,8 +59,14 @@ EXAMPLES = r"""
 - name: Mark two nodes validated
   lingjun.rdma.rdma_node_labels:
     nodes:
-      gpu-1: {labels: {rdma.lingjun.io/validated: "true"}, annotations: {rdma.lingjun.io/validated-at: "2025-06-01T10:00:00Z"}}
-      gpu-2: {labels: {rdma.lingjun.io/validated: "false"}}
+      gpu-1:
+        labels: {node-restriction.kubernetes.io/rdma-validated: "true"}
+        annotations: {rdma.lingjun.io/validated-at: "2025-06-01T10:00:00Z"}
+      gpu-2: {labels: {node-restriction.kubernetes.io/rdma-validated: "false"}}
+
+- name: Move every node's mode label to its new key
+  lingjun.rdma.rdma_node_labels:
+    copy_labels: {rdma.lingjun.io/mode: node-restriction.kubernetes.io/rdma-mode}
 """
 
 RETURN = r"""
@@ -91,11 +110,21 @@ def _changes(node, want, stamps=()):
     return {"metadata": patch} if patch else None
 
 
+def _moved(node, copy, drop):
+    """The labels ``node`` gets from copy_labels (old -> new where only the old is there) and drop_labels."""
+    have = (node.get("metadata") or {}).get("labels") or {}
+    labels = dict((new, have[old]) for old, new in copy.items() if old in have and new not in have)
+    labels.update((key, None) for key in drop)
+    return {"labels": labels}
+
+
 def main():
     module = AnsibleModule(
         argument_spec=dict(
             CONNECTION_ARGS,
-            nodes={"type": "dict", "required": True},
+            nodes={"type": "dict", "default": {}},
+            copy_labels={"type": "dict", "default": {}},
+            drop_labels={"type": "list", "elements": "str", "default": []},
             page_size={"type": "int", "default": 500},
             workers={"type": "int", "default": 8},
             stamps={"type": "list", "elements": "str", "default": []},
@@ -103,10 +132,12 @@ def main():
         supports_check_mode=True,
     )
     p = module.params
-    wanted = p["nodes"]
+    wanted = dict(p["nodes"])
     try:
         cluster = Cluster(p["kubeconfig"], p["context"], p["request_timeout"])
         existing = dict((n["metadata"]["name"], n) for n in cluster.list("/api/v1/nodes", page_size=p["page_size"]))
+        if p["copy_labels"] or p["drop_labels"]:
+            wanted = dict((name, _moved(node, p["copy_labels"], p["drop_labels"])) for name, node in existing.items())
         patches = {}
         for name in sorted(wanted):
             if name in existing:

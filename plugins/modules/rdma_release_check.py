@@ -14,7 +14,7 @@ description:
     controller (host_vars, group_vars of a node group), naming the hosts and the values.
   - With I(non_host_network), names the nodes that failed the IPv6 compute-network validation (this run's
     C(rdma_validation) facts, else the report in I(report_dir)) - refused unless I(validation_required)
-    (the chart keeps the plugin off nodes labelled C(rdma.lingjun.io/validated=false)) - and those without
+    (the chart keeps the plugin off nodes labelled C(node-restriction.kubernetes.io/rdma-validated=false)) - and those without
     validation results.
 version_added: "0.3.0"
 author: rdma-device-plugin maintainers

@@ -32,7 +32,8 @@ options:
   label_selector: {description: Label selector of the node list; empty lists every node., type: str, default: ""}
   page_size: {description: Items per page., type: int, default: 500}
   resource_name: {description: The extended resource., type: str, default: rdma/hca}
-  mode_label_key: {description: The mode label., type: str, default: rdma.lingjun.io/mode}
+  mode_label_key: {description: The mode label., type: str, default: node-restriction.kubernetes.io/rdma-mode}
+  validated_label_key: {description: The validated label (what validation.required selects on)., type: str, default: node-restriction.kubernetes.io/rdma-validated}
   default_mode: {description: Mode of nodes without the label., type: str, default: shared}
   shared_devices: {description: The shared shape., type: int, default: 1000}
   release: {description: Helm release (its DaemonSets are followed)., type: str, default: rdma}

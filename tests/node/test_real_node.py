@@ -253,7 +253,7 @@ def test_exclusive_mode_gives_a_pod_only_its_nic(kube: Kube, real_node: RealNode
     """Relabel the node exclusive: the exclusive DaemonSet's pod replaces the shared one, the Node shows
     one device per NIC, and rdma/hca: 1 gets exactly one NIC's uverbs device (and rdma_cm)."""
     nics = _fixture_nics(real_node)
-    kube.kubectl("label", "node", NODE, "rdma.lingjun.io/mode=exclusive", "--overwrite")
+    kube.kubectl("label", "node", NODE, "node-restriction.kubernetes.io/rdma-mode=exclusive", "--overwrite")
     try:
         wait_allocatable(kube, "rdma/hca", str(len(nics)), timeout=180)
         image = str(dict(real_node.state()["images"])["workload"])  # type: ignore[call-overload]
@@ -267,7 +267,7 @@ def test_exclusive_mode_gives_a_pod_only_its_nic(kube: Kube, real_node: RealNode
         assert "rdma_cm" in got["devices"]
         pods.delete(NS, "excl-probe")
     finally:
-        kube.kubectl("label", "node", NODE, "rdma.lingjun.io/mode-")
+        kube.kubectl("label", "node", NODE, "node-restriction.kubernetes.io/rdma-mode-")
         wait_allocatable(kube, "rdma/hca", "1k", timeout=180)
 
 
@@ -309,7 +309,7 @@ def test_a_removed_plugin_leaves_the_resource_at_zero_and_verify_says_why(kube: 
     try:
         status = wait_allocatable(kube, "rdma/hca", "0", timeout=120)
         assert "rdma/hca" in status["capacity"], status["capacity"]
-        view = rdma_fleet.node_view(kube.get("node", NODE), "rdma/hca", "rdma.lingjun.io/mode")
+        view = rdma_fleet.node_view(kube.get("node", NODE), "rdma/hca", "node-restriction.kubernetes.io/rdma-mode")
         v = rdma_fleet.verdict(rdma_fleet.Want(NODE, NODE), view, rdma_fleet.Cluster())
         assert not v.ok and "plugin" in v.msg and "kubectl -n kube-system get pods" in v.msg, v.msg
     finally:
@@ -359,7 +359,7 @@ def test_a_crash_looping_plugin_image_is_what_a_user_sees_and_verify_names_it(ku
         assert ds.get("numberAvailable", 0) == 0 and ds.get("numberUnavailable") == 1, ds
         status = wait_allocatable(kube, "rdma/hca", "0", timeout=120)
         view = rdma_fleet.node_view({"metadata": kube.get("node", NODE)["metadata"], "status": status}, "rdma/hca",
-                                    "rdma.lingjun.io/mode")  # fmt: skip
+                                    "node-restriction.kubernetes.io/rdma-mode")  # fmt: skip
         v = rdma_fleet.verdict(rdma_fleet.Want(NODE, NODE), view, rdma_fleet.Cluster())
         assert not v.ok and "the plugin stopped" in v.msg, v.msg
     finally:

@@ -48,7 +48,7 @@ Node label the fleet playbooks set on a node they validated (true) or found fail
 annotation rdma.lingjun.io/validated-at (RFC 3339). validation.required makes the DaemonSets require
 it; the alerts read it through kube-state-metrics.
 */}}
-{{- define "rdma-device-plugin.validatedKey" -}}rdma.lingjun.io/validated{{- end }}
+{{- define "rdma-device-plugin.validatedKey" -}}{{ .Values.validation.labelKey }}{{- end }}
 
 {{/*
 Labels the chart owns: podLabels and commonLabels may not set them (schema + _validate.tpl).

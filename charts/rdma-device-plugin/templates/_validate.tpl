@@ -32,6 +32,15 @@ whose token every pod of the namespace gets */}}
 {{- $errors = append $errors (printf "serviceAccount.name=default: the DRA driver's ClusterRole (ResourceSlices write) would be bound to %s:default, which every pod of the namespace runs as; name a ServiceAccount only the driver uses" (include "rdma-device-plugin.namespace" .)) }}
 {{- end }}
 
+{{- /* the node labels that steer the DaemonSets: only under node-restriction.kubernetes.io/, which the
+NodeRestriction admission plugin refuses a kubelet on its own Node (a compromised node could otherwise
+label itself validated, or pick its own mode or API) */}}
+{{- range $where, $key := dict "modeLabelKey" $v.modeLabelKey "driverLabelKey" $v.driverLabelKey "validation.labelKey" ($v.validation | default dict).labelKey }}
+{{- if not (regexMatch "^([^/]+[.])?node-restriction[.]kubernetes[.]io/" (toString $key)) }}
+{{- $errors = append $errors (printf "%s=%v: a kubelet can set this label on its own Node; use a key under node-restriction.kubernetes.io/ (the default node-restriction.kubernetes.io/rdma-%s), which NodeRestriction refuses it (docs/security.md)" $where $key (get (dict "modeLabelKey" "mode" "driverLabelKey" "driver" "validation.labelKey" "validated") $where)) }}
+{{- end }}
+{{- end }}
+
 {{- /* resource pools: names unique across resourceName and extraResources, sharedDevices in range */}}
 {{- $seen := dict }}
 {{- $pools := list (dict "where" "resourceName/sharedDevices" "name" $v.resourceName "sharedDevices" $v.sharedDevices) }}

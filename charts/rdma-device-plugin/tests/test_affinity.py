@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from conftest import CASES, daemonsets
 
-MODE = "rdma.lingjun.io/mode"
+MODE = "node-restriction.kubernetes.io/rdma-mode"
 NFD = {"feature.node.kubernetes.io/pci-15b3.present": "true"}
 LINGJUN = {"alibabacloud.com/lingjun-worker": "true"}
 
@@ -113,20 +113,20 @@ def test_user_affinity_terms_keep_their_expressions_and_node_selector_applies() 
 
 
 def test_custom_mode_label_key() -> None:
-    values = {"modeLabelKey": "example.com/rdma-mode"}
-    assert where(values, {**NFD, "example.com/rdma-mode": "exclusive"}) == ["exclusive"]
+    values = {"modeLabelKey": "gpu.node-restriction.kubernetes.io/rdma-mode"}
+    assert where(values, {**NFD, "gpu.node-restriction.kubernetes.io/rdma-mode": "exclusive"}) == ["exclusive"]
     assert where(values, {**NFD, MODE: "exclusive"}) == ["shared"]
 
 
 # ------------------------------------------------------------------ validation.required (fleet playbooks)
 
-VALIDATED = "rdma.lingjun.io/validated"
+VALIDATED = "node-restriction.kubernetes.io/rdma-validated"
 
 
 @pytest.mark.parametrize("default_mode", ["shared", "exclusive"])
 @pytest.mark.parametrize("node", sorted(NODES))
 def test_validation_required_needs_the_validated_label(default_mode: str, node: str) -> None:
-    """Every nodeSelectorTerm also requires rdma.lingjun.io/validated=true: an unvalidated or failed node
+    """Every nodeSelectorTerm also requires node-restriction.kubernetes.io/rdma-validated=true: an unvalidated or failed node
     gets no plugin, a validated one the DaemonSet its mode label picks (the partition is unchanged)."""
     labels, labelled_mode = NODES[node]
     values = {"mode": default_mode, "validation": {"required": True}}

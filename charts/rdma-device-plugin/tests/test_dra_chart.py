@@ -19,7 +19,7 @@ from test_affinity import LINGJUN, MODE, NFD, schedulable
 
 from rdma_device_plugin.cli import build_parser
 
-DRIVER_LABEL = "rdma.lingjun.io/driver"
+DRIVER_LABEL = "node-restriction.kubernetes.io/rdma-driver"
 DRA_API = "resource.k8s.io/v1/DeviceClass"
 API = (*VAP_KINDS, *MONITORING, DRA_API)
 

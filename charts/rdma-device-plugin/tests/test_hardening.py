@@ -112,7 +112,7 @@ def test_selectors_use_only_fixed_chart_owned_labels() -> None:
     base = {m: ds["spec"]["selector"] for m, ds in daemonsets({}).items()}
     for mode, selector in base.items():
         assert set(selector["matchLabels"]) == SELECTOR_KEYS and selector["matchLabels"]["rdma.lingjun.io/mode"] == mode
-    changed = {"modeLabelKey": "example.com/rdma-mode", "podLabels": {"team": "ml"}, "commonLabels": {"cost": "gpu"},
+    changed = {"modeLabelKey": "gpu.node-restriction.kubernetes.io/rdma-mode", "podLabels": {"team": "ml"}, "commonLabels": {"cost": "gpu"},
                "image": {"tag": "0.2.0"}, "mode": "exclusive"}
     assert {m: ds["spec"]["selector"] for m, ds in daemonsets(changed).items()} == base
 
@@ -150,7 +150,7 @@ UPGRADES: dict[str, tuple[dict[str, Any], set[str]]] = {
     "plugin config": ({"sharedDevices": 500}, {"shared", "exclusive"}),
     "mode": ({"mode": "exclusive"}, {"shared", "exclusive"}),
     "affinity": ({"affinity": None}, {"shared", "exclusive"}),
-    "modeLabelKey": ({"modeLabelKey": "example.com/rdma-mode"}, {"shared", "exclusive"}),
+    "modeLabelKey": ({"modeLabelKey": "gpu.node-restriction.kubernetes.io/rdma-mode"}, {"shared", "exclusive"}),
     "admission policy": ({"admissionPolicy": {"validationActions": ["Warn"]}}, set()),
     "metrics": ({"metrics": {"enabled": True}}, {"shared", "exclusive"}),
     "service monitor labels": ({"metrics": {"enabled": True, "serviceMonitor": {"enabled": True, "labels": {"a": "b"}}}}, {"shared", "exclusive"}),
@@ -183,7 +183,7 @@ def test_changing_mode_moves_every_unlabelled_node_at_once() -> None:
     before, after = daemonsets({}), daemonsets({"mode": "exclusive"})
     assert schedulable(before["shared"], node) and not schedulable(before["exclusive"], node)
     assert schedulable(after["exclusive"], node) and not schedulable(after["shared"], node)
-    labelled = {**node, "rdma.lingjun.io/mode": "shared"}
+    labelled = {**node, "node-restriction.kubernetes.io/rdma-mode": "shared"}
     assert schedulable(before["shared"], labelled) and schedulable(after["shared"], labelled)  # pinned nodes stay
 
 

@@ -257,13 +257,13 @@ def test_the_plugin_runs_only_where_the_node_labels_say(kube: Kube, kube_nodes: 
     without a mode label gets the default mode's plugin, one labelled exclusive the exclusive one; a
     node without RDMA, one not validated and one with an unknown mode get none. Relabelling moves it."""
     rdma = {"feature.node.kubernetes.io/pci-15b3.present": "true"}
-    ok = {**rdma, "rdma.lingjun.io/validated": "true"}
+    ok = {**rdma, "node-restriction.kubernetes.io/rdma-validated": "true"}
     nodes = {
         "n-shared": ok,
-        "n-exclusive": {**ok, "rdma.lingjun.io/mode": "exclusive"},
-        "n-no-rdma": {"rdma.lingjun.io/validated": "true"},
-        "n-not-validated": {**rdma, "rdma.lingjun.io/validated": "false"},
-        "n-odd-mode": {**ok, "rdma.lingjun.io/mode": "turbo"},
+        "n-exclusive": {**ok, "node-restriction.kubernetes.io/rdma-mode": "exclusive"},
+        "n-no-rdma": {"node-restriction.kubernetes.io/rdma-validated": "true"},
+        "n-not-validated": {**rdma, "node-restriction.kubernetes.io/rdma-validated": "false"},
+        "n-odd-mode": {**ok, "node-restriction.kubernetes.io/rdma-mode": "turbo"},
     }
     for name, labels in nodes.items():
         kube_nodes(name, labels=labels).start()
@@ -271,8 +271,8 @@ def test_the_plugin_runs_only_where_the_node_labels_say(kube: Kube, kube_nodes: 
     try:
         want = {"n-shared": "shared", "n-exclusive": "exclusive"}
         assert wait_for(lambda: _plugin_pods(kube) == want, timeout=90), _plugin_pods(kube)
-        kube.kubectl("label", "node", "n-shared", "rdma.lingjun.io/mode=exclusive")
-        kube.kubectl("label", "node", "n-not-validated", "rdma.lingjun.io/validated=true", "--overwrite")
+        kube.kubectl("label", "node", "n-shared", "node-restriction.kubernetes.io/rdma-mode=exclusive")
+        kube.kubectl("label", "node", "n-not-validated", "node-restriction.kubernetes.io/rdma-validated=true", "--overwrite")
         want = {"n-shared": "exclusive", "n-exclusive": "exclusive", "n-not-validated": "shared"}
         assert wait_for(lambda: _plugin_pods(kube) == want, timeout=90), _plugin_pods(kube)
     finally:

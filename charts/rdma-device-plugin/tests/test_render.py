@@ -368,7 +368,7 @@ def test_notes_mention_checks() -> None:
     notes = render({})["rdma-device-plugin/templates/NOTES.txt"]
     assert "kubectl get node <node-name> -o yaml" in notes
     assert "rdma/hca: 1k" in notes
-    assert "rdma.lingjun.io/mode=exclusive" in notes
+    assert "node-restriction.kubernetes.io/rdma-mode=exclusive" in notes
     assert "hostNetwork: true" in notes
     notes_on = render(CASES["non-hostnetwork"])["rdma-device-plugin/templates/NOTES.txt"]
     assert "nonHostNetwork.enabled=true" in notes_on

@@ -123,6 +123,25 @@ def test_combinations_collected_into_one_fail() -> None:
     )
 
 
+def test_steering_labels_a_kubelet_could_set_are_refused() -> None:
+    """The node labels that pick where and how the plugin runs must be keys NodeRestriction keeps from
+    the kubelets (tests/test_node_labels.py shows a kubelet refused them on the real API server)."""
+    message = render_error(
+        {
+            "modeLabelKey": "rdma.lingjun.io/mode",
+            "driverLabelKey": "example.com/driver",
+            "validation": {"labelKey": "node-restriction.kubernetes.io.evil.com/validated"},
+        }
+    )
+    assert_problems(
+        message,
+        "modeLabelKey=rdma.lingjun.io/mode: a kubelet can set this label on its own Node; use a key under "
+        "node-restriction.kubernetes.io/ (the default node-restriction.kubernetes.io/rdma-mode)",
+        "driverLabelKey=example.com/driver: a kubelet can set",
+        "validation.labelKey=node-restriction.kubernetes.io.evil.com/validated: a kubelet can set",
+    )
+
+
 def test_single_combination() -> None:
     message = render_error({"metrics": {"serviceMonitor": {"enabled": True}}})
     assert_problems(message, "set metrics.enabled=true or metrics.serviceMonitor.enabled=false")
