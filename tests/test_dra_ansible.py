@@ -189,7 +189,7 @@ def test_the_floor_is_one_for_the_driver_the_chart_and_the_deploy() -> None:
 
 def test_which_nodes_dra_serves_and_which_pods_ask_local() -> None:
     def node(name: str, label: str | None = None) -> dict[str, Any]:
-        return {"metadata": {"name": name, "labels": {} if label is None else {"rdma.lingjun.io/driver": label}}}
+        return {"metadata": {"name": name, "labels": {} if label is None else {"node-restriction.kubernetes.io/rdma-driver": label}}}
 
     def pod(name: str, node: str, phase: str = "Running", init: bool = False, part: str = "limits") -> dict[str, Any]:
         c = {"name": "c", "resources": {part: {"rdma/hca-local": "1"}}}
@@ -199,8 +199,8 @@ def test_which_nodes_dra_serves_and_which_pods_ask_local() -> None:
         return {"metadata": {"namespace": "ml", "name": name}, "spec": spec, "status": {"phase": phase}}
 
     nodes = [node("a"), node("b", "dra"), node("c", "devicePlugin")]
-    assert rdma_dra.dra_nodes(nodes, "rdma.lingjun.io/driver", "dra") == ["a", "b"]
-    assert rdma_dra.dra_nodes(nodes, "rdma.lingjun.io/driver", "devicePlugin") == ["b"]  # dra.enabled alone
+    assert rdma_dra.dra_nodes(nodes, "node-restriction.kubernetes.io/rdma-driver", "dra") == ["a", "b"]
+    assert rdma_dra.dra_nodes(nodes, "node-restriction.kubernetes.io/rdma-driver", "devicePlugin") == ["b"]  # dra.enabled alone
     pods = [
         pod("p1", "a"),
         pod("p2", "b", init=True, part="requests"),
@@ -237,7 +237,7 @@ def test_deploy_refuses_pods_asking_a_local_resource_on_nodes_dra_would_serve(
     cluster, work = cluster_with_nodes
     api = ds.Api(cluster.kubeconfig)
     created: list[dict[str, Any]] = []
-    for node, labels in (("gpu-a", {}), ("gpu-b", {"rdma.lingjun.io/driver": "devicePlugin"})):
+    for node, labels in (("gpu-a", {}), ("gpu-b", {"node-restriction.kubernetes.io/rdma-driver": "devicePlugin"})):
         # Node objects without a kubelet: a pod bound to one stays Pending, as one waiting to be admitted.
         created.append(api.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": labels}}))
         p = ds.pod(f"train-{node}", node, limits={"rdma/hca-local": "1"}, grace=0)
@@ -259,7 +259,7 @@ def test_deploy_refuses_pods_asking_a_local_resource_on_nodes_dra_would_serve(
         assert run.returncode != 0, out
         assert "Nothing was installed. 1 pod(s) on nodes DRA would serve ask a numaPools -local resource" in out, out
         assert "kube-system/train-gpu-a on gpu-a (rdma/hca-local)" in out and "train-gpu-b" not in out
-        assert "kubectl label node <node> rdma.lingjun.io/driver=devicePlugin" in out
+        assert "kubectl label node <node> node-restriction.kubernetes.io/rdma-driver=devicePlugin" in out
         secrets = api.get("/api/v1/namespaces/kube-system/secrets", labelSelector="owner=helm")["items"]
         assert not secrets  # helm never ran
         assert not api.get("/apis/apps/v1/namespaces/kube-system/daemonsets")["items"]

@@ -1162,7 +1162,7 @@ def test_a_server_below_the_floor_is_refused_by_name(
         why = said[0]["error"]
         for part in ("Kubernetes v1.36.2", "needs 1.37 or later (tested on v1.37.2)", "kubernetes#138882", "#139034"):
             assert part in why
-        assert "rdma.lingjun.io/driver=devicePlugin" in why and "docs/dra.md, Supported versions" in why
+        assert "node-restriction.kubernetes.io/rdma-driver=devicePlugin" in why and "docs/dra.md, Supported versions" in why
         wait_for("the health file", health.exists)
         ready = _healthcheck(health, ready=True)
         assert ready.returncode != 0 and why in ready.stderr

@@ -17,6 +17,7 @@ import re
 # annotation validate writes (the chart's validation.required matches the label).
 VALIDATED_LABEL = "node-restriction.kubernetes.io/rdma-validated"
 MODE_LABEL = "node-restriction.kubernetes.io/rdma-mode"
+DRIVER_LABEL = "node-restriction.kubernetes.io/rdma-driver"
 VALIDATED_AT_ANNOTATION = "rdma.lingjun.io/validated-at"
 MODES = ("shared", "exclusive")
 

@@ -22,7 +22,7 @@ author: rdma-device-plugin maintainers
 extends_documentation_fragment: [lingjun.rdma.rdma_k8s]
 options:
   driver: {description: Chart value C(driver) (C(rdma_driver)), the API of unlabelled nodes., type: str, default: dra}
-  driver_label_key: {description: Chart value C(driverLabelKey)., type: str, default: rdma.lingjun.io/driver}
+  driver_label_key: {description: Chart value C(driverLabelKey)., type: str, default: node-restriction.kubernetes.io/rdma-driver}
   resource_names: {description: The release's resource names (C(rdma_resource_name))., type: list, elements: str, required: true}
 """
 
@@ -47,6 +47,7 @@ from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_dra import (
     local_pods_problem,
     version_problem,
 )
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import DRIVER_LABEL
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_k8s import CONNECTION_ARGS, Cluster, K8sError
 
 
@@ -55,7 +56,7 @@ def main():
         argument_spec=dict(
             CONNECTION_ARGS,
             driver=dict(type="str", default="dra"),
-            driver_label_key=dict(type="str", default="rdma.lingjun.io/driver"),
+            driver_label_key=dict(type="str", default=DRIVER_LABEL),
             resource_names=dict(type="list", elements="str", required=True),
         ),
         supports_check_mode=True,
