@@ -16,7 +16,7 @@ API serves it.
   resource that selects it), with the GPUs per NIC: the DRA driver's whole view of the node.
 
 No gRPC, no pools, no config parsing: the DRA driver reads the node without the device plugin's
-serving machinery (tests/test_inventory.py pins the imports).
+serving machinery (plugin_src/tests/test_inventory.py pins the imports).
 """
 
 from __future__ import annotations
