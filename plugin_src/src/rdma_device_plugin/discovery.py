@@ -1,9 +1,10 @@
 """Discovery: what the node has, fed to the pools.
 
-A full re-list (``node/sysfs.read_nics``) when the set of RDMA devices changes, a port read fails,
-a NIC is still incomplete (its uverbs node not created yet) or ``rediscoveryIntervalSeconds``
-passes; between re-lists the cheap port probe (one ``pread`` per port, compared with the last
-bytes before any parsing). Whether a NIC is usable is decided by the one health rule
+The node is read by the node inventory's reader (:class:`.inventory.NodeReader`, which the DRA
+driver reads too): a full re-list when the set of RDMA devices changes, a port read fails, a NIC is
+still incomplete (its uverbs node not created yet) or ``rediscoveryIntervalSeconds`` passes; between
+re-lists the cheap port probe (one ``pread`` per port, compared with the last bytes before any
+parsing). Whether a NIC is usable is decided by the one health rule
 (:mod:`.health`), applied by the pools; discovery logs each NIC whose health changed, the way a
 person reads it. It also keeps the CDI specs, the NFD feature file and the link-event coverage
 current at every re-list.
@@ -18,17 +19,16 @@ from types import MappingProxyType
 
 from rdma_node import sysfs
 
-from . import affinity, cdi, events, health, logs, nfd, numa_pools, resources
+from . import affinity, cdi, events, health, inventory, logs, nfd, numa_pools
 from .config import PluginConfig
 from .health import NicHealth
+from .inventory import NodeReader
 from .resources import ResourcePool
 from .server import Hooks
-from .supervision import Backoff, LogOnce
+from .supervision import LogOnce
 from .verbs import VerbsProbe
 
 LOG = logging.getLogger(__name__)
-UVERBS_RECHECK_SECONDS = 1.0
-UVERBS_RECHECK_MAX_SECONDS = 30.0
 
 
 class Discovery:
@@ -47,20 +47,10 @@ class Discovery:
         self.pools = pools
         self.sysfs_root = sysfs_root
         self.dev_root = dev_root
-        self.verbs = verbs  # port states through pyverbs when it lists devices, else sysfs
+        self.reader = NodeReader(sysfs_root, dev_root, config.rediscovery_interval_seconds, verbs, LOG)
         self.hooks = hooks or Hooks()
         self.cdi: dict[str, cdi.SpecWriter] = {}  # resource name -> its CDI spec (cdi.enabled)
-        self._names: list[str] = []
-        self._problems: dict[str, tuple[str, ...]] = {}
-        self._incomplete: frozenset[str] = frozenset()  # selected NICs without a usable uverbs node, by identity
-        # Re-listed for them 1 s after, doubling to 30 s: udev creates the node within moments of the
-        # NIC, so a NIC still without one is waiting for a module (ib_uverbs) or a /dev that is not the host's.
-        self._incomplete_backoff = Backoff(UVERBS_RECHECK_SECONDS, UVERBS_RECHECK_MAX_SECONDS)
-        self._last_full = 0.0
-        self._unreadable: dict[str, str] = {}  # this re-list's unidentifiable devices -> why
-        self._unreadable_logged: dict[str, str] = {}
         self._log_once = LogOnce(LOG)
-        self._ports: sysfs.PortStateReader | None = None  # fast probe: open port-state files (issue 15)
         self._states: dict[str, tuple[str, ...] | None] | None = None  # last states applied
         self.features: nfd.FeatureFile | None = None  # --nfd-features-file (issue 15)
         self.coverage = events.LinkCoverage(frozenset(), ())  # set by every re-list
@@ -78,20 +68,13 @@ class Discovery:
         self.state_changes: Mapping[tuple[str, int], int] = MappingProxyType({})  # (nic, port) -> changes seen
         self._counted: Mapping[str, tuple[str, ...] | None] = {}  # the states the counts last compared
 
-    def _skipped(self, name: str, reason: str) -> None:
-        """An RDMA device that cannot be identified (soft-RoCE rxe, siw, half-removed): logged once."""
-        self._unreadable[name] = reason
-        if self._unreadable_logged.get(name) != reason:
-            self._unreadable_logged[name] = reason
-            LOG.warning("RDMA device %s left out: %s", name, reason, extra={"nic": name})
+    @property
+    def verbs(self) -> VerbsProbe | None:
+        return self.reader.verbs
 
     def owners(self, nics: list[sysfs.Nic]) -> dict[str, list[str]]:
         """NIC name -> the resources whose selectors select it, in config order."""
-        out: dict[str, list[str]] = {}
-        for pool in self.pools:
-            for nic in pool.selectors.select(nics):
-                out.setdefault(nic.name, []).append(pool.name)
-        return out
+        return inventory.owners([(pool.name, pool.selectors) for pool in self.pools], nics)
 
     def exclusive_overlaps(self, nics: list[sysfs.Nic]) -> list[str]:
         """Exclusive mode: a NIC selected by two resources would go "exclusively" to two pods."""
@@ -105,21 +88,7 @@ class Discovery:
         ]
 
     def full(self) -> list[sysfs.Nic]:
-        self._unreadable = {}
-        names = sysfs.list_rdma_devices(self.sysfs_root)
-        nics = sysfs.read_nics(self.sysfs_root, self.dev_root, on_skip=self._skipped)
-        for gone in set(self._unreadable_logged) - set(self._unreadable):
-            del self._unreadable_logged[gone]
-        problems = {n.name: n.problems for n in nics if n.problems}
-        for name, found in problems.items():
-            if self._problems.get(name) != found:  # log a problem once, not at every re-list
-                for problem in found:
-                    LOG.warning("NIC problem", extra={"nic": name, "problem": problem})
-        self._problems = problems
-        # Every listed name, readable or not: an unreadable device must not look like a change
-        # (and force a full re-list) at every probe.
-        self._names = names
-        self._last_full = time.monotonic()
+        nics = self.reader.read()
         owners = self.owners(nics) if self.config.mode == "exclusive" else {}
         for name, res in sorted(owners.items()):
             if len(res) > 1:
@@ -152,7 +121,7 @@ class Discovery:
                 )
                 LOG.debug("devices changed", extra={"resource": pool.name, "nics": summary})
             self._log_health(pool, before)
-        self._say_uverbs()
+        self.reader.served({n.name: n for pool in self.pools for n in pool.present_nics()}.values())
         self.hooks.rediscovered()
         self.nics = tuple(nics)
         served = sorted({n.name: n for pool in self.pools for n in pool.present_nics()}.values(), key=lambda n: n.name)
@@ -164,10 +133,10 @@ class Discovery:
             [n for pool in self.pools for n in pool.present_nics()],
             lambda netdev: sysfs.netdev_ifindex(self.sysfs_root, netdev),
         )
-        self._open_ports([n for n in names if n not in self._unreadable])
-        if self.verbs is not None and self.verbs.available():
+        self.reader.open_ports()
+        if self.reader.verbs_on:
             self._states = None  # set_nics applied sysfs states: pyverbs' must be applied again
-            self._apply_states(self.port_states(self._names) or {})
+            self._apply_states(self.port_states(self.reader.names) or {})
         else:
             self._states = {n.name: tuple(p.state for p in n.ports) for n in nics}
             self._count_changes(self._states)
@@ -180,34 +149,6 @@ class Discovery:
                     LOG.error("cannot write CDI spec", extra={"path": writer.path, "error": str(exc)})
         return nics
 
-    def _say_uverbs(self) -> None:
-        """A selected NIC without a usable uverbs node (udev not done yet, ib_uverbs not loaded, the
-        container's /dev not the host's): one warning, re-listed with backoff until it has one."""
-        missing = {
-            resources.nic_identity(nic): nic
-            for pool in self.pools
-            for nic in pool.present_nics()
-            if nic.uverbs is None or not nic.uverbs.present
-        }
-        for key, nic in missing.items():
-            where = f"{nic.uverbs.node_path} is missing" if nic.uverbs else "no uverbs device names it in sysfs"
-            self._log_once.problem(
-                f"uverbs {key}",
-                "%s has no uverbs character device (%s); it stays Unhealthy, and the NICs are re-listed %g s "
-                "later, then at doubling intervals up to %g s, until it has one",
-                nic.name,
-                where,
-                UVERBS_RECHECK_SECONDS,
-                UVERBS_RECHECK_MAX_SECONDS,
-                extra={"nic": nic.name},
-            )
-        for key in self._incomplete - missing.keys():
-            self._log_once.cleared(f"uverbs {key}", "a NIC's uverbs character device is there now")
-        if missing.keys() - self._incomplete:  # a new one: its first re-check a second from now
-            self._incomplete_backoff.succeeded()
-            self._incomplete_backoff.failed(time.monotonic())
-        self._incomplete = frozenset(missing)
-
     def _say_numa_less(self) -> None:
         """numaPools: a selected NIC without a NUMA node is in no per-NUMA pool (said once)."""
         selected = {p.spec.configured: p.present_nics() for p in self.pools if p.spec.kind == numa_pools.WHOLE}
@@ -217,33 +158,18 @@ class Discovery:
         for key in [k for k in self._log_once.pending if k.startswith("numa-less ") and k[10:] not in lines]:
             self._log_once.cleared(key)
 
-    def _open_ports(self, names: list[str]) -> None:
-        if self._ports is not None:
-            self._ports.close()
-        self._ports = sysfs.PortStateReader(self.sysfs_root, names)
-
     @property
     def states(self) -> Mapping[str, tuple[str, ...] | None]:
         """The port states applied last (replaced at every change, never changed in place)."""
         return self._states or {}
 
     def close(self) -> None:
-        if self._ports is not None:
-            self._ports.close()
-            self._ports = None
+        self.reader.close()
 
     def port_states(self, names: list[str]) -> dict[str, tuple[str, ...] | None] | None:
         """From pyverbs when available (sysfs for NICs it does not know), else from the open sysfs
         port-state files; None when one of those reads failed (the caller re-lists)."""
-        if self.verbs is not None and self.verbs.available():
-            states = self.verbs.port_states(names)
-            missing = [n for n in names if n not in states]
-            if missing:
-                states.update(sysfs.read_port_states(self.sysfs_root, missing))
-            return states
-        if self._ports is None:
-            return sysfs.read_port_states(self.sysfs_root, names)
-        return self._ports.read()
+        return self.reader.port_states(names)
 
     def _apply_states(self, states: dict[str, tuple[str, ...] | None]) -> None:
         if states == self._states:
@@ -315,42 +241,22 @@ class Discovery:
     def check_devices(self) -> None:
         """Re-list the NICs when the set of RDMA devices changed (hot-plug, removal), the rediscovery
         interval passed, or a NIC without its uverbs node is due for a re-check (backoff)."""
-        names = sysfs.list_rdma_devices(self.sysfs_root)
-        now = time.monotonic()
-        due = now - self._last_full >= self.config.rediscovery_interval_seconds
-        recheck = bool(self._incomplete) and self._incomplete_backoff.due(now)
-        if names != self._names or due or recheck:
-            if names != self._names:
-                added = sorted(set(names) - set(self._names))
-                removed = sorted(set(self._names) - set(names))
-                LOG.info(
-                    "RDMA devices changed on the node",
-                    extra={"added": logs.names(added), "removed": logs.names(removed), "count": len(names)},
-                )
-                LOG.debug("RDMA devices changed on the node", extra={"before": self._names, "after": names})
-            self.full()
-            if self._incomplete and recheck:
-                self._incomplete_backoff.failed(now)
+        self.reader.check_devices(self.full)
 
     def unchanged(self) -> bool:
         """The idle fast probe: True when every port reads as last applied (one pread per port,
         no parsing). False for anything else (a change, a failed read, pyverbs, unreadable NICs):
         :meth:`probe` then does the full work, reading the same values again."""
-        ports = self._ports
-        if ports is None or self._unreadable or (self.verbs is not None and self.verbs.available()):
-            return False
         if self.holds and self.hold_due(time.monotonic()):
             return False
-        return ports.read() == self._states
+        return self.reader.unchanged(self._states)
 
     def probe(self) -> None:
         """Port states only, one pread per port: the frequent step. A removed NIC fails its reads
         and is re-listed at once; an added one waits for :meth:`check_devices` (once a second)."""
-        names = self._names
-        states = self.port_states([n for n in names if n not in self._unreadable] if self._unreadable else names)
+        states = self.reader.probe_states()
         if states is None:
-            failed = self._ports.failed if self._ports is not None else ""
-            LOG.info("a port state read failed; re-listing the NICs", extra={"error": failed})
+            LOG.info("a port state read failed; re-listing the NICs", extra={"error": self.reader.failed})
             self.full()
             return
         self._apply_states(states)

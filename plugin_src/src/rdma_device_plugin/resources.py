@@ -15,6 +15,10 @@ Every answer carries the env NCCL and UCX read for exactly its NICs (:mod:`.nccl
 GID facts are read when the NICs change (a re-list), and the answer for a NIC set is built once and
 kept until they change again (shared pools build theirs right away), so Allocate only looks it up.
 
+A pool's NICs, their health and GID facts are kept by the node inventory's
+:class:`.inventory.NicStates` (the DRA driver keeps its NICs there too), and what a container given
+NICs gets is the inventory's :class:`.inventory.ContainerRules`: one answer for both APIs.
+
 One owner: a :class:`ResourcePool` is changed on one thread only (the supervisor's), with no lock.
 After every change it publishes a :class:`PoolView`, an immutable picture of itself (devices, the
 ListAndWatch message already serialized, NICs, health and why, the env a pod gets, the answers of
@@ -35,17 +39,18 @@ from typing import Any
 from rdma_node.selectors import Selectors
 from rdma_node.sysfs import Nic
 
-from . import cdi, nccl_env, netchecks
+from . import cdi, nccl_env
 from .api import deviceplugin_pb2 as pb
 from .config import PluginConfig, ResourceConfig
 from .health import Hold, NicHealth
+from .inventory import RDMA_CM_PATH, ContainerRules, DeviceSpec, NicStates, facts_of, has_uverbs, nic_identity
 from .kubeletapi import HEALTHY, UNHEALTHY
 from .nccl_env import NicFacts, WorkloadEnv
 from .numa_pools import LOCAL, PoolSpec, pool_specs
 from .supervision import LogOnce
 
 LOG = logging.getLogger(__name__)
-RDMA_CM_PATH = "/dev/infiniband/rdma_cm"
+__all__ = ["RDMA_CM_PATH", "DeviceSpec", "facts_of", "nic_identity"]  # the inventory's, named here as before
 
 
 class AllocationError(Exception):
@@ -60,27 +65,11 @@ class Device:
 
 
 @dataclass(frozen=True)
-class DeviceSpec:
-    container_path: str
-    host_path: str
-    permissions: str = "rw"
-
-
-@dataclass(frozen=True)
 class ContainerAllocation:
     devices: tuple[DeviceSpec, ...]
     envs: dict[str, str]
     nics: tuple[str, ...]  # RDMA device names handed out
     cdi_devices: tuple[str, ...] = ()  # fully-qualified CDI names (cdi.enabled); then devices is empty
-
-
-def _has_uverbs(nic: Nic) -> bool:
-    return nic.uverbs is not None and nic.uverbs.present
-
-
-def nic_identity(nic: Nic) -> str:
-    """What makes a NIC the same NIC across renames: its PCI function, else its node GUID."""
-    return nic.pci_address or f"guid:{nic.node_guid}"
 
 
 @dataclass(frozen=True)
@@ -91,12 +80,12 @@ class Rules:
     mode: str
     kind: str  # numa_pools: WHOLE, NUMA or LOCAL
     numa_of: Mapping[str, int | None]  # shared device ID -> its NUMA node
-    env_settings: nccl_env.EnvSettings
+    container: ContainerRules  # the char devices and env a container given NICs gets
     cdi_kind: str | None
-    with_umad: bool
-    with_issm: bool
-    extra_env: Mapping[str, str]
-    non_host_network: bool
+
+    @property
+    def env_settings(self) -> nccl_env.EnvSettings:
+        return self.container.env_settings
 
     def key(self, device_ids: Sequence[str]) -> tuple[str, ...]:
         """What an answer depends on: nothing in shared mode (every pod gets every NIC), the NUMA
@@ -122,28 +111,15 @@ class Rules:
         return ordered
 
     def allocation(self, nics: Sequence[Nic], facts: Mapping[str, NicFacts]) -> ContainerAllocation:
-        nics = [n for n in nics if _has_uverbs(n)]
+        nics = [n for n in nics if has_uverbs(n)]
         if not nics:
             raise AllocationError(f"no RDMA NIC of resource {self.name} is present on the node")
-        chars = [c for nic in nics for c in nic.char_devices(self.with_umad, self.with_issm)]
-        specs = [DeviceSpec(c.node_path, c.node_path) for c in chars]
-        specs.append(DeviceSpec(RDMA_CM_PATH, RDMA_CM_PATH))
         names = tuple(n.name for n in nics)
-        envs = self.pod_env(names, nccl_env.workload_env(facts_of(facts, nics), self.env_settings).env)
+        envs = self.container.env(nics, facts)
         if self.cdi_kind is not None:
             group = cdi.numa_group(nics) if self.kind == LOCAL else None
             return ContainerAllocation((), envs, names, cdi.allocation_devices(self.cdi_kind, self.mode, nics, group))
-        return ContainerAllocation(tuple(specs), envs, names)
-
-    def pod_env(self, names: tuple[str, ...], computed: Mapping[str, str]) -> dict[str, str]:
-        """A container's env, low to high: computed (workloadEnv), non-hostNetwork defaults, the
-        config's env, RDMA_DEVICES."""
-        defaults = netchecks.default_env() if self.non_host_network else {}
-        return {**computed, **defaults, **self.extra_env, "RDMA_DEVICES": ",".join(names)}
-
-
-def facts_of(facts: Mapping[str, NicFacts], nics: Sequence[Nic]) -> list[NicFacts]:
-    return [facts[nic_identity(n)] for n in nics if nic_identity(n) in facts]
+        return ContainerAllocation(tuple(self.container.device_specs(nics)), envs, names)
 
 
 @dataclass(frozen=True, eq=False)
@@ -244,9 +220,6 @@ class ResourcePool:
         self.mode = config.mode
         self.policy = config.health.policy
         self.selectors: Selectors = resource.selectors.to_selectors()
-        extra_env = dict(config.env)
-        if config.non_host_network.enabled:
-            extra_env.update(config.non_host_network.env)
         pools = max(pool_count, len(config.resources))  # numaPools: every pool its own kind
         ids = self.spec.devices() if self.mode == "shared" else ()
         self.rules = Rules(
@@ -254,21 +227,13 @@ class ResourcePool:
             mode=self.mode,
             kind=self.spec.kind,
             numa_of=MappingProxyType(dict(ids)),
-            env_settings=nccl_env.EnvSettings.from_config(config),
+            container=ContainerRules.from_config(config),
             cdi_kind=cdi.resource_kind(config.cdi.kind, resource.name, pools) if config.cdi.enabled else None,
-            with_umad=config.char_devices.umad,
-            with_issm=config.char_devices.issm,
-            extra_env=MappingProxyType(extra_env),
-            non_host_network=config.non_host_network.enabled,
         )
         self.cdi_kind = self.rules.cdi_kind
-        self._nics: dict[str, Nic] = {}  # present and selected, by identity (nic_identity); replaced, never changed
-        self._seen: dict[str, Nic] = {}  # every NIC selected (a vanished one stays, unhealthy, for the grace)
-        self._health: dict[str, NicHealth] = {}
-        self._gone_since: dict[str, float] = {}
-        self.vanish_grace = config.health.vanish_grace_seconds
+        # The selected NICs (present, seen, health, GID facts): the node inventory's, one per pool.
+        self._state = NicStates(self.name, config.health.vanish_grace_seconds, self.rules.env_settings, LOG)
         self._version = 0
-        self._nic_set = 0
         self._devices: tuple[Device, ...] = ()
         self._device_ids: frozenset[str] = frozenset()
         # What Allocate hands out, by allocation key, and the gRPC layer's responses: one pair of
@@ -283,7 +248,6 @@ class ResourcePool:
         # bench/bench_listandwatch.py), and so is its message (the last two).
         self._shared_lists: dict[object, tuple[Device, ...]] = {}
         self._encoded: list[tuple[tuple[Device, ...], bytes]] = []
-        self._facts: dict[str, NicFacts] = {}  # by identity: each present NIC's GID facts; replaced, never changed
         self._env: tuple[tuple[str, WorkloadEnv], ...] = ()  # (scope, env) of the pool's NICs: status, metrics
         self._said = LogOnce(LOG)  # a variable left unset: said once while it stays so
         self._probe_failure: str | None = None  # why no port can be vouched for (the probe keeps failing)
@@ -301,48 +265,23 @@ class ResourcePool:
         """
         now = time.monotonic() if now is None else now
         selected = {nic_identity(n): n for n in self.spec.nics(self.selectors.select(nics))}
-        relisted = selected != self._nics  # a re-list that finds the same NICs keeps the answers
-        self._nics = selected
-        for key, nic in selected.items():
-            old = self._seen.get(key)
-            if old is not None and old.name != nic.name:
-                LOG.info("NIC %s (%s) is now named %s", old.name, key, nic.name, extra={"resource": self.name})
-            self._seen[key] = nic
-            self._gone_since.pop(key, None)
-            self._health[key] = NicHealth(True, tuple(p.state for p in nic.ports), _has_uverbs(nic))
-        for key in set(self._seen) - set(selected):
-            self._health[key] = NicHealth(False, ())
-            since = self._gone_since.setdefault(key, now)
-            if now - since >= self.vanish_grace:
-                gone = self._seen.pop(key)
-                del self._health[key], self._gone_since[key]
-                LOG.warning(
-                    "NIC %s (%s) gone for %.0f s (health.vanishGraceSeconds): removed from %s",
-                    gone.name,
-                    key,
-                    now - since,
-                    self.name,
-                    extra={"resource": self.name},
-                )
-        if relisted:
+        if self._state.set_nics(selected, now):  # a re-list that finds the same NICs keeps the answers
             self._relisted()
         return self._publish()
 
     def _relisted(self) -> None:
-        """The NICs changed: read their GID facts, build the answers of a shared pool now rather
-        than at the first Allocate, and say once what its env leaves unset."""
-        self._nic_set += 1
-        self._facts = {key: nccl_env.nic_facts(nic, self.rules.env_settings) for key, nic in self._nics.items()}
+        """The NICs changed (their GID facts read anew by the NIC state): build the answers of a shared
+        pool now rather than at the first Allocate, and say once what its env leaves unset."""
         self._answers, self._responses = {}, {}  # names, char devices or GIDs changed
         if self.mode == "shared":
-            for key in self.rules.shared_keys(self._nics):
-                nics = self.rules.nics_for(key, self._nics)
-                if any(_has_uverbs(n) for n in nics):
-                    self._answers[key] = self.rules.allocation(nics, self._facts)
+            for key in self.rules.shared_keys(self._state.present):
+                nics = self.rules.nics_for(key, self._state.present)
+                if any(has_uverbs(n) for n in nics):
+                    self._answers[key] = self.rules.allocation(nics, self._state.facts)
         self._env = ()
         for scope, nics in self._env_scopes():
-            found = nccl_env.workload_env(facts_of(self._facts, nics), self.rules.env_settings)
-            full = self.rules.pod_env(tuple(n.name for n in nics if _has_uverbs(n)), found.env)
+            found = nccl_env.workload_env(facts_of(self._state.facts, nics), self.rules.env_settings)
+            full = self.rules.container.pod_env(tuple(n.name for n in nics if has_uverbs(n)), found.env)
             self._env += ((scope, replace(found, env=full)),)
         for scope, env in self._env:
             where = f"{self.name}{f' ({scope})' if scope else ''}"
@@ -361,24 +300,19 @@ class ResourcePool:
     def _env_scopes(self) -> list[tuple[str, list[Nic]]]:
         """What the status shows a pod gets: the pool's NICs, or each NUMA node's of a -local pool."""
         if self.spec.kind == LOCAL:
-            keys = self.rules.shared_keys(self._nics)
-            return [(f"numa{key[0]}", self.rules.nics_for(key, self._nics)) for key in keys]
-        return [("", sorted(self._nics.values(), key=lambda n: n.name))] if self._nics else []
+            keys = self.rules.shared_keys(self._state.present)
+            return [(f"numa{key[0]}", self.rules.nics_for(key, self._state.present)) for key in keys]
+        return [("", sorted(self._state.present.values(), key=lambda n: n.name))] if self._state.present else []
 
     def set_port_states(self, states: Mapping[str, tuple[str, ...] | None]) -> bool:
         """Apply a health probe (RDMA device name -> port states, None when gone)."""
-        by_name = {nic.name: key for key, nic in self._seen.items()}
-        for name, ports in states.items():
-            key = by_name.get(name)
-            if key is not None:
-                present = ports is not None and key in self._nics
-                self._health[key] = NicHealth(present, ports or (), _has_uverbs(self._seen[key]))
+        self._state.set_port_states(states)
         return self._publish()
 
     def set_held(self, held: Mapping[str, Hold]) -> bool:
         """The NICs held down after flapping (by identity, node-wide): Unhealthy while held."""
         wall = time.time() - time.monotonic()
-        self._held = {key: (hold, wall + hold.until) for key, hold in held.items() if key in self._seen}
+        self._held = {key: (hold, wall + hold.until) for key, hold in held.items() if key in self._state.seen}
         return self._publish()
 
     def set_probe_failure(self, reason: str | None) -> bool:
@@ -408,8 +342,8 @@ class ResourcePool:
     def health_changes(self, before: Mapping[str, NicHealth]) -> list[str]:
         """Human-readable lines for NICs whose health differs from ``before`` (a copy of health_state())."""
         out = [
-            f"{self._seen[key].name} {health.describe()}"
-            for key, health in sorted(self._health.items())
+            f"{self._state.seen[key].name} {health.describe()}"
+            for key, health in sorted(self._state.health.items())
             if before.get(key) != health and key not in self._held  # a held NIC's flaps: see discovery
         ]
         if not out:
@@ -419,17 +353,17 @@ class ResourcePool:
         return [f"{line}: {effect}" for line in out]
 
     def health_state(self) -> dict[str, NicHealth]:
-        return dict(self._health)
+        return dict(self._state.health)
 
     def nic_names(self) -> dict[str, str]:
         """Identity -> RDMA device name of every NIC the pool knows."""
-        return {key: nic.name for key, nic in self._seen.items()}
+        return {key: nic.name for key, nic in self._state.seen.items()}
 
     def _usable(self, key: str) -> bool:
-        health = self._health.get(key)
+        health = self._state.health.get(key)
         return (
             self._probe_failure is None
-            and key in self._nics
+            and key in self._state.present
             and key not in self._held
             and health is not None
             and health.healthy
@@ -444,13 +378,13 @@ class ResourcePool:
         if self.mode != "shared":
             return tuple(
                 Device(nic.pci_address, HEALTHY if self._usable(key) else UNHEALTHY, nic.numa_node)
-                for key, nic in sorted(self._seen.items(), key=lambda kv: kv[1].pci_address)
+                for key, nic in sorted(self._state.seen.items(), key=lambda kv: kv[1].pci_address)
             )
-        if not self._seen:
+        if not self._state.seen:
             return ()  # nothing selected on this node: advertise nothing rather than 1k of nothing
         if self.spec.kind == LOCAL:  # one block per NUMA node with NICs, each with its own health
             by_node: dict[int, list[str]] = {}
-            for key, nic in self._seen.items():
+            for key, nic in self._state.seen.items():
                 if nic.numa_node is not None:
                     by_node.setdefault(nic.numa_node, []).append(key)
             state = tuple(sorted((n, self._health_of(keys)) for n, keys in by_node.items()))
@@ -462,7 +396,7 @@ class ResourcePool:
                 devices = tuple(Device(i, per_node[n], n) for i, n in self.rules.numa_of.items() if n in per_node)
                 self._shared_lists[state] = devices
             return devices
-        health = self._health_of(list(self._seen))
+        health = self._health_of(list(self._state.seen))
         found = self._shared_lists.get(health)
         if found is None:
             found = self._shared_lists[health] = tuple(Device(i, health, n) for i, n in self.rules.numa_of.items())
@@ -497,13 +431,13 @@ class ResourcePool:
         return PoolView(
             rules=self.rules,
             version=self._version,
-            nic_set=self._nic_set,
+            nic_set=self._state.nic_set,
             devices=devices,
             device_ids=self._device_ids,
             message=message,
             healthy=sum(1 for d in devices if d.health == HEALTHY),
-            nics=MappingProxyType(self._nics),
-            facts=MappingProxyType(self._facts),
+            nics=MappingProxyType(self._state.present),
+            facts=MappingProxyType(self._state.facts),
             answers=self._answers,
             responses=self._responses,
             summary=tuple(self._summary()),
@@ -513,13 +447,13 @@ class ResourcePool:
 
     def _summary(self) -> list[dict[str, object]]:
         out: list[dict[str, object]] = []
-        for key, nic in sorted(self._seen.items(), key=lambda kv: kv[1].name):
-            health = self._health.get(key, NicHealth(False, ()))
+        for key, nic in sorted(self._state.seen.items(), key=lambda kv: kv[1].name):
+            health = self._state.health.get(key, NicHealth(False, ()))
             out.append(
                 {
                     "name": nic.name,
                     "pci_address": nic.pci_address,
-                    "present": key in self._nics,
+                    "present": key in self._state.present,
                     "ports": list(health.ports),
                     "healthy": self._usable(key),
                     "why": self._probe_failure or health.why or self._held_why(key),
@@ -539,7 +473,7 @@ class ResourcePool:
 
     def _gid_shown(self, key: str) -> str:
         """NCCL's GID on the NIC's first RoCE port for the family the pool's env uses ("" without)."""
-        facts = self._facts.get(key)
+        facts = self._state.facts.get(key)
         family = next((env.family for _, env in self._env if env.family), "")
         picks = facts.picks_for(family) if facts is not None and family else ()
         return picks[0].shown if picks else ""

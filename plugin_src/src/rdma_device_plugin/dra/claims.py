@@ -4,9 +4,9 @@ Prepare reads the claim from the API server (the kubelet sends namespace, name a
 the allocation results of this driver on this node's pool, maps each device to its NICs
 (:class:`.model.DeviceRef`), and writes one CDI spec per claim (``<cdi-dir>/<driver>-claim_<uid>.json``,
 kind ``<driver>/claim``): a CDI device per allocated device with its NICs' char devices, and in the
-spec-wide edits ``rdma_cm`` and the env of exactly the claim's NICs, computed by the device plugin's
-own pool (:meth:`..resources.ResourcePool.allocate`: the NCCL/UCX env of ``workloadEnv``, the config's
-env, ``RDMA_DEVICES``). The answer names the CDI devices, per request.
+spec-wide edits ``rdma_cm`` and the env of exactly the claim's NICs, by the rules the device plugin's
+Allocate answers with (:class:`..inventory.ContainerRules`: the NCCL/UCX env of ``workloadEnv``, the
+config's env, ``RDMA_DEVICES``). The answer names the CDI devices, per request.
 
 What was prepared is kept per claim in ``<state-dir>/claims/<uid>.json`` (written before the answer,
 read at start) with the boot it was made in (``/proc/sys/kernel/random/boot_id``: a record of an
@@ -41,13 +41,16 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
-from ..resources import AllocationError, ContainerAllocation, DeviceSpec, ResourcePool, nic_identity
+from rdma_node.sysfs import Nic
+
+from ..inventory import DeviceSpec, NodeInventory, has_uverbs, nic_identity
 from . import kubeapi
 from .containers import claims_by_container, pods_of
+from .kubeletplugin import PreparedDevice, PrepareError
 from .model import EXCLUSIVE, SET, DeviceRef, Published
 
 LOG = logging.getLogger(__name__)
@@ -60,17 +63,8 @@ POD_CACHE = 1024  # pods whose containers' NICs are kept, oldest forgotten first
 _UID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 
-class ClaimError(Exception):
+class ClaimError(PrepareError):
     """This claim cannot be prepared; the message names the claim and what to look at."""
-
-
-@dataclass(frozen=True)
-class PreparedDevice:
-    requests: list[str]
-    pool: str
-    device: str
-    cdi_device_ids: list[str]
-    share_id: str | None = None
 
 
 def cdi_kind(driver: str) -> str:
@@ -151,7 +145,7 @@ class Claims:
         state_dir: str,
         cdi_dir: str,
         published: Callable[[], Published],
-        pools: Sequence[ResourcePool],
+        nics: NodeInventory,
         boot_id: str = "",
     ) -> None:
         self.client = client
@@ -160,7 +154,7 @@ class Claims:
         self.records_dir = os.path.join(state_dir, "claims")
         self.cdi_dir = cdi_dir
         self.published = published
-        self.pools = {p.name: p for p in pools}
+        self.nics = nics
         self.boot_id = boot_id
         self._lock = threading.Lock()  # the records (and the conflict check with the write it allows)
         self._claim_locks: dict[str, tuple[threading.Lock, list[int]]] = {}  # uid -> (lock, [users])
@@ -389,8 +383,8 @@ class Claims:
         held: list[dict[str, Any]] = []
         if not refs:
             return out, spec, held
-        pool = self.pools[owners[0]]
-        present = {n.name: n for n in pool.present_nics()}
+        nic_set = self.nics.resources[owners[0]].current  # one moment's NICs and facts (another thread's)
+        present = nic_set.by_name()
         nics_of: dict[str, list[str]] = {}
         for device, ref in refs.items():
             names = [n for n in ref.nics if n in present] if ref.view == SET else list(ref.nics)
@@ -409,27 +403,30 @@ class Claims:
             )
         # The container's other claims' NICs too (one env for all of them): those present on the node.
         every = sorted({n for names in nics_of.values() for n in names} | (set(companions) & set(present)))
-        whole = self._allocate(where, pool, [present[n].pci_address for n in every])
+        rules = self.nics.rules
+        whole = sorted((present[n] for n in every), key=lambda n: n.pci_address)  # as Allocate orders them
+        env = rules.env(self._usable(where, owners[0], whole), nic_set.facts)
         for device in sorted(refs):
             nodes: list[dict[str, str]] = []
             for n in nics_of[device]:
-                one = self._allocate(where, pool, [present[n].pci_address])
-                nodes += [_node(d) for d in one.devices if d.container_path != RDMA_CM]
+                one = rules.device_specs(self._usable(where, owners[0], [present[n]]))
+                nodes += [_node(d) for d in one if d.container_path != RDMA_CM]
             cdi_name = f"{uid}-{device}"
             spec["devices"].append({"name": cdi_name, "containerEdits": {"deviceNodes": nodes}})
             out.append(PreparedDevice(requests[device], self.node, device, [f"{kind}={cdi_name}"], shares[device]))
         spec["containerEdits"] = {
-            "env": [f"{k}={v}" for k, v in sorted(whole.envs.items())],
+            "env": [f"{k}={v}" for k, v in sorted(env.items())],
             "deviceNodes": [_node(DeviceSpec(RDMA_CM, RDMA_CM))],
         }
         return out, spec, held
 
     @staticmethod
-    def _allocate(where: str, pool: ResourcePool, addresses: list[str]) -> ContainerAllocation:
-        try:
-            return pool.allocate(addresses)
-        except AllocationError as exc:
-            raise ClaimError(f"{where}: {exc}") from exc
+    def _usable(where: str, resource: str, nics: list[Nic]) -> list[Nic]:
+        """The NICs with a uverbs device (what a container can be given), as the device plugin's Allocate."""
+        usable = [n for n in nics if has_uverbs(n)]
+        if not usable:
+            raise ClaimError(f"{where}: no RDMA NIC of resource {resource} is present on the node")
+        return usable
 
     # ------------------------------------------------------------------ unprepare
 

@@ -1,16 +1,19 @@
 """``rdma-device-plugin dra``: the DRA driver process.
 
 One loop on the main thread, as the device plugin's supervisor: the port probe every
-``health.intervalSeconds`` (one ``pread`` per port, :class:`..discovery.Discovery`), the device list
-once a second (hot-plug, removal) and a full re-list every ``rediscoveryIntervalSeconds``; after any
-change it rebuilds the published model (:mod:`.model`) and hands it to the publisher thread
-(:mod:`.publisher`) and to the kubelet's health streams (:mod:`.service`). gRPC runs in its own
-threads; prepare reads the current model and the pools (thread-safe).
+``health.intervalSeconds`` (one ``pread`` per port), the device list once a second (hot-plug,
+removal) and a full re-list every ``rediscoveryIntervalSeconds``, all by the node inventory
+(:class:`..inventory.NodeInventory`); after any change it rebuilds the published model (:mod:`.model`)
+and hands it to the publisher thread (:mod:`.publisher`) and to the kubelet's health streams
+(:mod:`.service`). gRPC runs in its own threads; prepare reads the current model and the inventory's
+NIC sets (thread-safe).
 
-The pools are the device plugin's, in exclusive mode whatever the node's mode (one per resource, a
-NIC in the first resource that selects it): they give the health rule, the vanish grace and, per set
-of NICs, exactly what Allocate hands a container (device nodes, env). The node's mode decides only
-which device serves the extended resource (:mod:`.model`).
+The node inventory is the one the device plugin's pools read (a NIC in the first resource that
+selects it): it gives the discovery, the health rule, the vanish grace and, per set of NICs, exactly
+what Allocate hands a container (device nodes, env). The node's mode decides only which device
+serves the extended resource (:mod:`.model`). What the driver decides (:mod:`.model`, :mod:`.claims`)
+stands apart from the plumbing (:mod:`.kubeletplugin`, :mod:`.service`, :mod:`.publisher`), as in the
+upstream kubeletplugin helper.
 """
 
 from __future__ import annotations
@@ -25,8 +28,7 @@ import time
 from types import FrameType
 
 from ..config import PluginConfig, load_config
-from ..discovery import Discovery
-from ..resources import ResourcePool
+from ..inventory import NodeInventory
 from ..supervision import remove_health, write_health
 from . import kubeapi, model, version
 from .claims import Claims, read_boot_id
@@ -44,14 +46,6 @@ VERSION_RETRY_SECONDS = 60.0  # a server below the floor: read /version again (a
 VERSION_ERROR_RETRY_SECONDS = 5.0  # a server that did not answer
 
 
-def pool_config(config: PluginConfig) -> PluginConfig:
-    """The config the driver's pools run with: exclusive (one device per NIC), no CDI of the device
-    plugin's own (the driver writes one spec per claim), no numaPools (claims select by NUMA node)."""
-    resources = [r.model_copy(update={"numa_pools": False}) for r in config.resources]
-    cdi = config.cdi.model_copy(update={"enabled": False})
-    return config.model_copy(update={"mode": "exclusive", "resources": resources, "cdi": cdi})
-
-
 class Driver:
     def __init__(self, args: argparse.Namespace, config: PluginConfig, client: kubeapi.Client, uid: str) -> None:
         self.args = args
@@ -66,9 +60,7 @@ class Driver:
                 "counterpart (no Topology Manager alignment with device-plugin GPUs): its pods stay Pending here",
                 extra={"fix": "docs/dra.md, Migrating: claims that match the GPU's numaNode or pcieRoot"},
             )
-        pc = pool_config(config)
-        self.pools = [ResourcePool(r, pc) for r in pc.resources]
-        self.discovery = Discovery(pc, self.pools, args.sysfs_root, args.dev_root)
+        self.nics = NodeInventory(config, args.sysfs_root, args.dev_root)
         self.inventory = Inventory(config, args.sysfs_root)
         self._published = model.build(self.driver, self.node, config.mode, [], [], {})
         self._published_lock = threading.Lock()
@@ -85,7 +77,7 @@ class Driver:
         state_dir = args.state_dir or os.path.join(args.kubelet_dir, "plugins", self.driver)
         boot_id = read_boot_id(args.procfs_root)
         self.claims = Claims(
-            client, self.driver, self.node, state_dir, args.cdi_dir, self.published, self.pools, boot_id
+            client, self.driver, self.node, state_dir, args.cdi_dir, self.published, self.nics, boot_id
         )
         self.stats = RequestStats()
         self.service = KubeletService(
@@ -134,13 +126,11 @@ class Driver:
             self.publisher.poke()  # a kubelet (re)start wipes the node's slices: look now
 
     def rebuild(self, force: bool = False) -> bool:
-        """Publish the model again when the pools or the topology changed; True when it did."""
-        # The affinity itself (a frozen dataclass, compared by value), not its id: an id can be reused
-        # once the old object is gone, and a changed topology would then not be published.
-        key = (tuple((p.view.version, p.view.nic_set) for p in self.pools), self.discovery.affinity)
+        """Publish the model again when the NICs, their health or the topology changed; True when it did."""
+        key = self.nics.key()
         if key == self._key and not force:
             return False
-        views = self.inventory.views(self.pools, self.discovery.affinity)
+        views = self.inventory.views(self.nics)
         try:
             published = model.build(
                 self.driver,
@@ -265,7 +255,7 @@ class Driver:
             LOG.info("stopped")
             return 0
         self.instances.start()  # first: an older instance stops publishing once this one is alive
-        self.discovery.full()
+        self.nics.full()
         self.rebuild(force=True)
         self.publisher.start()
         self.service.start()
@@ -277,11 +267,11 @@ class Driver:
             while not self.stop_event.wait(interval):
                 now = time.monotonic()
                 try:
-                    if not self.discovery.unchanged():
-                        self.discovery.probe()
+                    if not self.nics.unchanged():
+                        self.nics.probe()
                     if now - last_check >= RELIST_CHECK_SECONDS:
                         last_check = now
-                        self.discovery.check_devices()
+                        self.nics.check_devices()
                     self.rebuild()
                     if now - last_collect >= COLLECT_SECONDS and not collecting.is_alive():
                         last_collect = now  # a GET per prepared claim: off this loop
@@ -300,7 +290,7 @@ class Driver:
             self.publisher.stop()
             self.instances.stop()
             self.metrics.stop()
-            self.discovery.close()
+            self.nics.close()
             if self.args.health_file:
                 remove_health(self.args.health_file)
         LOG.info("stopped")

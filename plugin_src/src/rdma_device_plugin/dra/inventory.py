@@ -1,23 +1,22 @@
-"""The node's NICs as the driver publishes them: the pools' NICs and health (the device plugin's own
-discovery and health rule) with their PCIe root, their GPUs and NCCL's GID (:class:`.model.NicView`).
+"""The node's NICs as the driver publishes them: the node inventory's NICs and health
+(:class:`..inventory.NodeInventory`: the device plugin's pools read the same discovery, health rule
+and env facts) with their PCIe root, their GPUs and NCCL's GID (:class:`.model.NicView`).
 
 The only I/O is one PCIe read per NIC when the NIC set changes (its host bridge); GPUs per NIC come
-from discovery's affinity (the same :mod:`..affinity` the device plugin reports), the GID from
+from the inventory's affinity (the same :mod:`..affinity` the device plugin reports), the GID from
 :mod:`..nccl_env` (the same choice the env hands pods).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 from rdma_node import pcie
 from rdma_node.sysfs import Nic
 
 from .. import nccl_env
-from ..affinity import NodeAffinity
 from ..config import PluginConfig
-from ..resources import ResourcePool, nic_identity
+from ..inventory import NodeInventory, nic_identity
 from .model import NicView, ResourceView
 
 
@@ -43,16 +42,18 @@ class Inventory:
             self._roots[address] = function.path[0] if function is not None and function.path else ""
         return self._roots[address]
 
-    def views(self, pools: Sequence[ResourcePool], affinity: NodeAffinity) -> list[NicView]:
-        present: list[tuple[str, Nic]] = [(p.name, n) for p in pools for n in p.present_nics()]
-        facts = [nccl_env.nic_facts(n, self.settings) for _, n in present]
+    def views(self, node: NodeInventory) -> list[NicView]:
+        present: list[tuple[str, str, Nic]] = [
+            (name, nic_identity(n), n) for name, s in node.resources.items() for n in s.present_nics()
+        ]
+        facts = [f for name, key, _ in present if (f := node.resources[name].facts.get(key)) is not None]
         family = nccl_env.gid_family(facts, self.settings) if facts else ""
         by_name = {f.name: f for f in facts}
+        affinity = node.affinity
         out: list[NicView] = []
-        for pool in pools:
-            health = pool.health_state()
-            for key, h in sorted(health.items()):
-                nic = next((n for r, n in present if r == pool.name and nic_identity(n) == key), None)
+        for resource, states in node.resources.items():
+            for key, h in sorted(states.health.items()):
+                nic = next((n for r, k, n in present if r == resource and k == key), None)
                 if nic is not None:
                     self._last[key] = nic
                 nic = nic or self._last.get(key)
@@ -70,7 +71,7 @@ class Inventory:
                     NicView(
                         nic,
                         h,
-                        pool.name,
+                        resource,
                         self._pcie_root(nic.pci_address),
                         gpus,
                         gid,

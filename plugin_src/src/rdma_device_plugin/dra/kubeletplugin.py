@@ -15,6 +15,10 @@ k8s.io/dynamic-resource-allocation ``kubeletplugin`` does with its ``RollingUpda
 - which instance publishes the node's ResourceSlices: the newest live one (the instance locks of
   :mod:`..sockets`, ordered by start on the node's monotonic clock), so an old and a new version do
   not rewrite each other's slices while they overlap.
+
+The driver's decisions meet this plumbing in two types only: :class:`PreparedDevice` (what a prepare
+answers) and :class:`PrepareError` (a claim refused), as upstream's helper hands its driver
+``kubeletplugin.Device`` and a per-claim error.
 """
 
 from __future__ import annotations
@@ -40,6 +44,22 @@ UID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,62}$")
 SERIALIZE_LOCK = "serialize.lock"
 MIN_UID_CHARS = 8
 REGISTERED = ".registered"  # beside an instance's lock file while the kubelet has it registered
+
+
+class PrepareError(Exception):
+    """A claim the driver cannot prepare: the kubelet gets the message as that claim's error (the
+    driver's decisions raise it; the plumbing only reports it)."""
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One prepared device as the kubelet is told of it (upstream's ``kubeletplugin.Device``)."""
+
+    requests: list[str]
+    pool: str
+    device: str
+    cdi_device_ids: list[str]
+    share_id: str | None = None
 
 
 def instance_uid(given: str) -> str:

@@ -36,8 +36,7 @@ from ..api import drahealth_v1_pb2 as health_pb
 from ..api import drahealth_v1_pb2_grpc as health_grpc
 from ..api import pluginregistration_v1_pb2 as reg_pb
 from ..api import pluginregistration_v1_pb2_grpc as reg_grpc
-from .claims import ClaimError, PreparedDevice
-from .kubeletplugin import FileId, Paths, SerializeLock, remove_own, serve_at
+from .kubeletplugin import FileId, Paths, PreparedDevice, PrepareError, SerializeLock, remove_own, serve_at
 from .metrics import RequestStats
 
 LOG = logging.getLogger(__name__)
@@ -151,7 +150,7 @@ class _Prepare:
             t0 = time.perf_counter()
             try:
                 devices = self.backend.prepare(namespace, uid, name)
-            except ClaimError as exc:
+            except PrepareError as exc:
                 LOG.error("prepare failed", extra={"claim": f"{namespace}/{name}", "uid": uid, "error": str(exc)})
                 out.claims[uid].error = str(exc)
                 self._record("prepare", t0, False)
