@@ -58,6 +58,7 @@ from rdma_device_plugin.dra import kubeapi, model, version
 from rdma_device_plugin.dra.kubeletplugin import Paths
 from rdma_device_plugin.dra.model import PCI_BUS_ID, PCIE_ROOT
 from rdma_device_plugin.health import NicHealth
+from rdma_device_plugin.inventory import NodeInventory
 from rdma_device_plugin.resources import ResourcePool
 from rdma_node import fixtures, sysfs
 
@@ -1073,7 +1074,7 @@ def test_calls_for_one_claim_wait_for_each_other_and_not_for_other_claims(
         str(tmp_path / "state"),
         str(tmp_path / "cdi"),
         lambda: model.build(DRIVER, "nowhere", "shared", [], [], {}),
-        [],
+        NodeInventory(load_config_data({"version": "v1"}), str(tmp_path), str(tmp_path)),  # no NIC: never read
     )
     answers: dict[str, list[str]] = {}
 
@@ -1162,7 +1163,8 @@ def test_a_server_below_the_floor_is_refused_by_name(
         why = said[0]["error"]
         for part in ("Kubernetes v1.36.2", "needs 1.37 or later (tested on v1.37.2)", "kubernetes#138882", "#139034"):
             assert part in why
-        assert "node-restriction.kubernetes.io/rdma-driver=devicePlugin" in why and "docs/dra.md, Supported versions" in why
+        assert "node-restriction.kubernetes.io/rdma-driver=devicePlugin" in why
+        assert "docs/dra.md, Supported versions" in why
         wait_for("the health file", health.exists)
         ready = _healthcheck(health, ready=True)
         assert ready.returncode != 0 and why in ready.stderr
