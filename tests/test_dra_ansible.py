@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "plugin_src" / "tests"))
 import dra_support as ds
 from ansible_collections.lingjun.rdma.plugins.module_utils import rdma_dra
 from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_dra import nic_count_problem, pools, verdict
+from ansible_collections.lingjun.rdma.plugins.module_utils.rdma_fleet import DRIVER_LABEL
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -189,7 +190,7 @@ def test_the_floor_is_one_for_the_driver_the_chart_and_the_deploy() -> None:
 
 def test_which_nodes_dra_serves_and_which_pods_ask_local() -> None:
     def node(name: str, label: str | None = None) -> dict[str, Any]:
-        return {"metadata": {"name": name, "labels": {} if label is None else {"node-restriction.kubernetes.io/rdma-driver": label}}}
+        return {"metadata": {"name": name, "labels": {} if label is None else {DRIVER_LABEL: label}}}
 
     def pod(name: str, node: str, phase: str = "Running", init: bool = False, part: str = "limits") -> dict[str, Any]:
         c = {"name": "c", "resources": {part: {"rdma/hca-local": "1"}}}
@@ -199,8 +200,8 @@ def test_which_nodes_dra_serves_and_which_pods_ask_local() -> None:
         return {"metadata": {"namespace": "ml", "name": name}, "spec": spec, "status": {"phase": phase}}
 
     nodes = [node("a"), node("b", "dra"), node("c", "devicePlugin")]
-    assert rdma_dra.dra_nodes(nodes, "node-restriction.kubernetes.io/rdma-driver", "dra") == ["a", "b"]
-    assert rdma_dra.dra_nodes(nodes, "node-restriction.kubernetes.io/rdma-driver", "devicePlugin") == ["b"]  # dra.enabled alone
+    assert rdma_dra.dra_nodes(nodes, DRIVER_LABEL, "dra") == ["a", "b"]
+    assert rdma_dra.dra_nodes(nodes, DRIVER_LABEL, "devicePlugin") == ["b"]  # dra.enabled alone
     pods = [
         pod("p1", "a"),
         pod("p2", "b", init=True, part="requests"),

@@ -40,6 +40,7 @@ def refusal(doc: dict[str, Any]) -> str:
         f"the API server is Kubernetes {shown}; the DRA driver needs {floor} or later (tested on {TESTED}): "
         "1.36's scheduler and kubelet lack fixes it relies on (kubernetes#138882, #139034, the v1 health API; "
         f"docs/dra.md, Supported versions). Upgrade the control plane and the kubelets to {floor}, or serve "
-        "this node by the device plugin: kubectl label node <node> node-restriction.kubernetes.io/rdma-driver=devicePlugin --overwrite "
+        "this node by the device plugin: kubectl label node <node> "
+        "node-restriction.kubernetes.io/rdma-driver=devicePlugin --overwrite "
         "(or the chart's driver=devicePlugin and dra.enabled=false)"
     )
