@@ -25,6 +25,7 @@ from types import FrameType
 
 from ..config import PluginConfig, load_config
 from ..discovery import Discovery
+from ..metrics import auth_of
 from ..resources import ResourcePool
 from ..supervision import remove_health, write_health
 from . import kubeapi, model
@@ -209,7 +210,8 @@ class Driver:
     def run(self) -> int:
         if self.args.metrics_address:
             try:
-                host, port = self.metrics.serve(self.args.metrics_address)
+                tls, reviewer = auth_of(self.args)
+                host, port = self.metrics.serve(self.args.metrics_address, tls, reviewer)
             except (OSError, ValueError) as exc:
                 LOG.error("cannot serve metrics", extra={"address": self.args.metrics_address, "error": str(exc)})
                 return 2
