@@ -2,7 +2,8 @@
 
 A :class:`MetricsHooks` (the server's ``Hooks`` observer) owns its own registry and
 serves it over HTTP (:class:`BoundedHTTPServer`: prometheus_client's WSGI app in bounded threads)
-bound to the given address only. The metrics, their labels and the alerts built on them are listed in one
+bound to the given address only; with ``--metrics-auth kubernetes`` over HTTPS, to reviewed bearer
+tokens only (:mod:`.metricsauth`, loaded only then). The metrics, their labels and the alerts built on them are listed in one
 table: docs/operations.md ("Metrics"). Gauges that describe state are read at scrape time from
 what the supervisor last published (published.NodeView, the loops' heartbeats): immutable, so a
 scrape takes no lock the supervisor or the gRPC loop takes. Allocate is counted on the gRPC loop
