@@ -1,19 +1,19 @@
 """Prometheus metrics (``--metrics-address HOST:PORT``; off by default).
 
-A :class:`MetricsHooks` (the server's ``Hooks`` observer) owns its own registry and
-serves it over HTTP (:class:`BoundedHTTPServer`: prometheus_client's WSGI app in bounded threads)
-bound to the given address only; with ``--metrics-auth kubernetes`` over HTTPS, to reviewed bearer
-tokens only (:mod:`.metricsauth`, loaded only then). The metrics, their labels and the alerts built on them are listed in one
-table: docs/operations.md ("Metrics"). Gauges that describe state are read at scrape time from
-what the supervisor last published (published.NodeView, the loops' heartbeats): immutable, so a
-scrape takes no lock the supervisor or the gRPC loop takes. Allocate is counted on the gRPC loop
-in plain numbers only that loop writes (no prometheus_client lock on that path); the scrape reads
-copies. The port map is replaced by every probe (it lists every RDMA device on the node), so a NIC
-that vanished drops out of ``rdma_dp_port_*`` and ``rdma_dp_nic_info``; while a pool still holds
+A :class:`MetricsHooks` (the server's ``Hooks`` observer) owns its own registry and serves it over
+HTTP (:class:`BoundedHTTPServer`: prometheus_client's WSGI app in bounded threads) bound to the
+given address only; with ``--metrics-auth kubernetes`` over HTTPS, to reviewed bearer tokens only
+(:mod:`.metricsauth`, loaded only then). The metrics, their labels and the alerts built on them are
+listed in one table: docs/operations.md ("Metrics"). Gauges that describe state are read at scrape
+time from what the supervisor last published (published.NodeView, the loops' heartbeats): immutable,
+so a scrape takes no lock the supervisor or the gRPC loop takes. Allocate is counted on the gRPC
+loop in plain numbers only that loop writes (no prometheus_client lock on that path); the scrape
+reads copies. The port map is replaced by every probe (it lists every RDMA device on the node), so a
+NIC that vanished drops out of ``rdma_dp_port_*`` and ``rdma_dp_nic_info``; while a pool still holds
 it (health.vanishGraceSeconds) it shows as ``rdma_dp_port_state{state="GONE"}`` and an Unhealthy NIC
 in ``rdma_dp_pool_nics``; port state changes are counted by their owner (discovery) and published
-with the view. With a sysfs root, the NICs' own port counters are exported too, read at scrape
-time (:mod:`.port_counters`) for the NICs of the last published re-list.
+with the view. With a sysfs root, the NICs' own port counters are exported too, read at scrape time
+(:mod:`.port_counters`) for the NICs of the last published re-list.
 """
 
 from __future__ import annotations
