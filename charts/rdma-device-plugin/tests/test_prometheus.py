@@ -121,8 +121,8 @@ def metrics_auth(kube: Kube, tmp_path: Path) -> Iterator[dict[str, Any]]:
             },
         }  # fmt: skip
     finally:
-        for o in applied:
-            kube.kubectl("delete", o["kind"].lower(), o["metadata"]["name"], "-n", NAMESPACE, "--ignore-not-found", check=False)
+        items = {"apiVersion": "v1", "kind": "List", "items": applied}
+        kube.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-", input=json.dumps(items), check=False)
 
 
 @pytest.fixture
