@@ -128,6 +128,13 @@ def test_combinations_collected_into_one_fail() -> None:
     )
 
 
+@pytest.mark.parametrize("auth", [{"readers": [{"kind": "Group", "name": "sre"}]}, {"tlsSecretName": "cm-metrics"}])
+def test_metrics_auth_settings_need_auth_on(auth: dict) -> None:
+    """Readers or a certificate with auth off would read as protected metrics that are not."""
+    message = render_error({"metrics": {"enabled": True, "auth": {"enabled": False, **auth}}})
+    assert_problems(message, "metrics.auth.enabled=false serves the metrics in plain HTTP to anyone; set metrics.auth.enabled=true")
+
+
 def test_single_combination() -> None:
     message = render_error({"metrics": {"serviceMonitor": {"enabled": True}}})
     assert_problems(message, "set metrics.enabled=true or metrics.serviceMonitor.enabled=false")
