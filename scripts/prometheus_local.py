@@ -33,7 +33,8 @@ def free_port() -> int:
 
 
 class Prometheus:
-    """``prometheus`` scraping ``targets`` (host:port) as ``job`` with ``labels`` every ``interval``."""
+    """``prometheus`` scraping ``targets`` (host:port) as ``job`` with ``labels`` every ``interval``
+    (``scrape``: more of that job's scrape config, e.g. scheme, tls_config, authorization)."""
 
     def __init__(
         self,
@@ -45,6 +46,7 @@ class Prometheus:
         port: int = 0,
         workdir: str | None = None,
         extra_scrape_configs: list[dict[str, Any]] | None = None,
+        scrape: dict[str, Any] | None = None,
     ) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
@@ -57,7 +59,7 @@ class Prometheus:
             "global": {"scrape_interval": interval, "evaluation_interval": interval, "scrape_timeout": interval},
             "rule_files": [str(self.dir / "rules.json")],
             "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": targets, "labels": labels}]},
+                {"job_name": job, "static_configs": [{"targets": targets, "labels": labels}], **(scrape or {})},
                 *(extra_scrape_configs or []),
             ],
         }

@@ -9,10 +9,13 @@ One cluster per module (about 20 s to start); every test deletes what it created
 
 from __future__ import annotations
 
+import base64
+import http.client
 import json
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -1409,3 +1412,204 @@ def test_numa_pools_through_dra(api: Api, many: DraNode, objs: Objects) -> None:
     assert allocated_devices(api, claim_name) == ["all-hca-numa1"]
     env, _ = many.got("numa1-pod")
     assert sorted(env["RDMA_DEVICES"].split(",")) == sorted(f"mlx5_{i}" for i in range(17, 33))
+
+
+# ------------------------------------------------------------------ metrics behind auth
+
+METRICS_VALUES = {
+    "metrics": {
+        "enabled": True,
+        "auth": {"readers": [{"kind": "ServiceAccount", "name": "metrics-reader", "namespace": SA_NS}]},
+    }
+}
+
+
+def _token(api: Api, sa: str) -> str:
+    req = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}}
+    return str(api.client.create(f"/api/v1/namespaces/{SA_NS}/serviceaccounts/{sa}/token", req)["status"]["token"])
+
+
+def _token_kubeconfig(path: Path, cluster: kube_cluster.Cluster, token: str) -> Path:
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "c",
+                "cluster": {"server": cluster.server(), "certificate-authority": str(cluster.dir / "pki/ca.crt")},
+            }
+        ],
+        "users": [{"name": "u", "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "c",
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _forged_token(sa: str) -> str:
+    """A service-account token for ``sa`` as another cluster with the default issuer would sign it:
+    the same claims, another key."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+    def b64(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    now = int(time.time())
+    claims = {
+        "iss": "https://kubernetes.default.svc",
+        "aud": ["https://kubernetes.default.svc"],
+        "sub": f"system:serviceaccount:{SA_NS}:{sa}",
+        "iat": now,
+        "nbf": now,
+        "exp": now + 3600,
+        "kubernetes.io": {"namespace": SA_NS, "serviceaccount": {"name": sa, "uid": str(uuid.uuid4())}},
+    }
+    signing = f"{b64(json.dumps({'alg': 'ES256', 'kid': 'other'}).encode())}.{b64(json.dumps(claims).encode())}"
+    r, s = decode_dss_signature(
+        ec.generate_private_key(ec.SECP256R1()).sign(signing.encode(), ec.ECDSA(hashes.SHA256()))
+    )
+    return f"{signing}.{b64(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+
+
+def _get_metrics(port: int, ca: Path, server_name: str, token: str | None) -> tuple[int, str, dict[str, str]]:
+    """(status, body, headers) of GET /metrics over HTTPS, the certificate verified as Prometheus does
+    (the chart's CA, the Service's name)."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=30)
+    conn.sock = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=30), server_hostname=server_name)
+    try:
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {token}"} if token is not None else {})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode(), dict(resp.getheaders())
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def metrics_rbac(api: Api) -> Iterator[dict[str, Any]]:
+    """The chart's metrics-auth objects (rendered by Helm: reader ClusterRole, its binding to the
+    ``metrics-reader`` ServiceAccount, system:auth-delegator for the plugin's ServiceAccount), that
+    reader and a ``metrics-stranger`` without the role, and the chart's serving certificate."""
+    objs = chart_objects(METRICS_VALUES)
+    made = [o for o in objs if o["kind"] in POLICY_KINDS and "-metrics-" in o["metadata"]["name"]]
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in made) == [
+        ("ClusterRole", "rdma-rdma-device-plugin-metrics-reader"),
+        ("ClusterRoleBinding", "rdma-rdma-device-plugin-metrics-auth-delegator"),
+        ("ClusterRoleBinding", "rdma-rdma-device-plugin-metrics-reader"),
+    ]
+    made += [o for o in objs if o["kind"] == "ServiceAccount"]
+    for sa in ("metrics-reader", "metrics-stranger"):
+        made.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": SA_NS}})
+    for obj in made:
+        api.apply(obj)
+    secret = next(o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-metrics-tls"))
+    plugin_sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    try:
+        yield {
+            "secret": secret,
+            "plugin_sa": plugin_sa,
+            "server_name": "rdma-rdma-device-plugin-metrics.kube-system.svc",
+        }
+    finally:
+        for obj in made:
+            if obj["metadata"]["name"] != plugin_sa:  # the chart's ServiceAccount: other tests apply it too
+                api.delete(obj)
+
+
+def _tls_files(root: Path, secret: dict[str, Any]) -> dict[str, Path]:
+    out = {}
+    for key in ("ca.crt", "tls.crt", "tls.key"):
+        out[key] = root / key
+        out[key].write_bytes(base64.b64decode(secret["data"][key]))
+    return out
+
+
+@pytest.mark.parametrize("server", ["serve", "dra"])
+def test_scrapes_need_a_readers_token(
+    api: Api, cluster: kube_cluster.Cluster, workdir: Path, metrics_rbac: dict[str, Any], server: str
+) -> None:
+    """The plugin (serve) and the DRA driver with the chart's metrics.auth flags, reviewing tokens with
+    the chart's ServiceAccount (system:auth-delegator, nothing else): over HTTPS with the chart's
+    certificate (verified with its CA and server name), no token and a garbage one are 401, a token
+    signed by another cluster's key is 401, a ServiceAccount without the reader ClusterRole is 403, the
+    bound reader gets the metrics; plain HTTP gets nothing."""
+    root = workdir / f"metrics-auth-{server}"
+    root.mkdir()
+    tls = _tls_files(root, metrics_rbac["secret"])
+    kubeconfig = _token_kubeconfig(root / "kubeconfig", cluster, _token(api, metrics_rbac["plugin_sa"]))
+    port = kube_cluster.free_port()
+    fx = fixtures.write_node(str(root / "fx"), fixtures.lingjun_node(nics=2))
+    argv = [sys.executable, "-m", "rdma_device_plugin", server, "--sysfs-root", fx.sysfs, "--dev-root", fx.dev]
+    argv += ["--kubeconfig", str(kubeconfig), "--metrics-address", f"127.0.0.1:{port}", "--metrics-auth", "kubernetes"]
+    argv += ["--metrics-tls-cert", str(tls["tls.crt"]), "--metrics-tls-key", str(tls["tls.key"])]
+    argv += ["--health-file", str(root / "health")]
+    if server == "serve":
+        argv += ["--procfs-root", fx.procfs, "--device-plugin-dir", str(root / "dp")]
+        (root / "dp").mkdir()
+        family = "rdma_dp_rediscoveries_total"
+    else:
+        config = root / "config.yaml"
+        config.write_text(yaml.safe_dump({"version": "v1", "mode": "shared"}))
+        argv += ["--config", str(config), "--node-name", "no-kubelet", "--kubelet-dir", str(root / "kubelet")]
+        argv += ["--cdi-dir", str(root / "cdi")]
+        family = "rdma_dra_build_info"
+    log = root / "server.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def get(token: str | None) -> tuple[int, str, dict[str, str]]:
+        return _get_metrics(port, tls["ca.crt"], metrics_rbac["server_name"], token)
+
+    try:
+
+        def up() -> tuple[int, str, dict[str, str]] | None:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return get(None)
+            except OSError:
+                return None
+
+        status, body, headers = wait_for("the metrics port", up, timeout=60)
+        assert status == 401 and headers.get("WWW-Authenticate", "").startswith("Bearer"), (status, body)
+        assert get("not-a-token")[0] == 401
+        assert get(_forged_token("metrics-reader"))[0] == 401
+        status, body, _ = get(_token(api, "metrics-stranger"))
+        assert status == 403 and "metrics-reader ClusterRole" in body, (status, body)
+        assert family not in body
+        status, body, _ = get(_token(api, "metrics-reader"))
+        assert status == 200 and family in body, (status, body[:500])
+        # the same port in plain HTTP: no metrics, whatever the token
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                leaked = r.read().decode(errors="replace")
+        except OSError:
+            leaked = ""
+        assert family not in leaked
+        assert proc.poll() is None, log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def test_review_verdicts_are_cached_per_token(
+    api: Api, cluster: kube_cluster.Cluster, metrics_rbac: dict[str, Any]
+) -> None:
+    """The reviews a scrape costs the API server (docs/security.md's request rate): 2 per token, then
+    none while the verdict is cached; a refused token is remembered too (DENIED_SECONDS)."""
+    from rdma_device_plugin import metricsauth
+
+    creds = kubeapi.Credentials(
+        server=cluster.server(), ca_file=str(cluster.dir / "pki/ca.crt"), token=_token(api, metrics_rbac["plugin_sa"])
+    )
+    reviewer = metricsauth.Reviewer(kubeapi.Client(creds))
+    reader, stranger = _token(api, "metrics-reader"), _token(api, "metrics-stranger")
+    assert [reviewer.check(f"Bearer {reader}") for _ in range(5)] == [200] * 5
+    assert reviewer.reviews == 2  # one TokenReview, one SubjectAccessReview
+    assert [reviewer.check(f"Bearer {stranger}") for _ in range(5)] == [403] * 5
+    assert reviewer.reviews == 4
+    assert [reviewer.check("Bearer garbage") for _ in range(3)] == [401] * 3
+    assert reviewer.reviews == 5  # a failed TokenReview: no SubjectAccessReview

@@ -7,6 +7,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -91,6 +92,69 @@ def test_bad_metrics_address_exits_2(node: fixtures.FixtureNode, dp_dir: Path) -
     )
     assert proc.returncode == 2 and "must be HOST:PORT" in proc.stderr
     assert list(dp_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--metrics-auth", "kubernetes"], "--metrics-auth kubernetes needs --metrics-tls-cert and --metrics-tls-key"),
+        (["--metrics-tls-cert", "/nonexistent.crt"], "--metrics-tls-cert and --metrics-tls-key go together"),
+        (
+            ["--metrics-tls-cert", "/nonexistent.crt", "--metrics-tls-key", "/nonexistent.key"],
+            "--metrics-tls-cert /nonexistent.crt / --metrics-tls-key /nonexistent.key: cannot load them",
+        ),
+    ],
+)
+def test_bad_metrics_auth_flags_exit_2(
+    node: fixtures.FixtureNode, dp_dir: Path, flags: list[str], message: str
+) -> None:
+    """Auth without a certificate (tokens in plain HTTP), half a certificate, unreadable files: one
+    error naming the flag, before anything is registered."""
+    proc = subprocess.run(
+        serve_command(node, dp_dir, None, "--metrics-address", f"127.0.0.1:{_free_port()}", *flags),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert list(dp_dir.iterdir()) == []
+
+
+class _Api:
+    """The reviews' API calls, answered from a table (the real API server's answers:
+    test_dra_cluster.py::test_scrapes_need_a_readers_token); counts them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def create(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
+        self.calls += 1
+        if obj["kind"] == "TokenReview":
+            token = obj["spec"]["token"]
+            return {"status": {"authenticated": token != "bad", "user": {"username": token, "groups": []}}}
+        return {"status": {"allowed": obj["spec"]["user"].startswith("reader")}}
+
+
+def test_review_cache_is_bounded_and_expires() -> None:
+    from rdma_device_plugin import metricsauth
+
+    now = [0.0]
+    api = _Api()
+    reviewer = metricsauth.Reviewer(api, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert reviewer.check("") == 401 and reviewer.check("Basic abc") == 401 and api.calls == 0
+    assert reviewer.check("Bearer reader-0") == 200 and reviewer.check("bearer  reader-0 ") == 200
+    assert api.calls == 2
+    for i in range(metricsauth.CACHE_ENTRIES + 10):  # many tokens: the oldest verdicts make room
+        reviewer.check(f"Bearer other-{i}")
+    assert len(reviewer._cache) == metricsauth.CACHE_ENTRIES
+    calls, last = api.calls, f"Bearer other-{metricsauth.CACHE_ENTRIES + 9}"
+    assert reviewer.check("Bearer reader-0") == 200 and api.calls == calls + 2  # evicted: reviewed again
+    assert reviewer.check(last) == 403 and api.calls == calls + 2  # cached
+    now[0] += metricsauth.DENIED_SECONDS + 1
+    assert reviewer.check(last) == 403 and api.calls == calls + 4  # a refusal expires first
+    assert reviewer.check("Bearer reader-0") == 200 and api.calls == calls + 4
+    now[0] += metricsauth.ALLOWED_SECONDS
+    assert reviewer.check("Bearer reader-0") == 200 and api.calls == calls + 6
 
 
 def test_parse_address() -> None:

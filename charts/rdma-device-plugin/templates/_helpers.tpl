@@ -362,3 +362,52 @@ fleet playbooks validated (the DaemonSets run nowhere else).
 {{- end }}
 {{- $expr }}
 {{- end }}
+
+{{/*
+Metrics behind auth (metrics.auth.enabled with metrics.enabled): "true" or "". The serving
+certificate's Secret, the plugin's flags, its mount and volume, shared by both DaemonSets.
+*/}}
+{{- define "rdma-device-plugin.metricsAuth" -}}
+{{- if and .Values.metrics.enabled .Values.metrics.auth.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "rdma-device-plugin.metricsTlsSecret" -}}
+{{- .Values.metrics.auth.tlsSecretName | default (printf "%s-metrics-tls" (include "rdma-device-plugin.fullname" .)) }}
+{{- end }}
+
+{{/* The DNS name the serving certificate carries and scrapers verify (the metrics Service's). */}}
+{{- define "rdma-device-plugin.metricsServerName" -}}
+{{- printf "%s-metrics.%s.svc" (include "rdma-device-plugin.fullname" .) (include "rdma-device-plugin.namespace" .) }}
+{{- end }}
+
+{{- define "rdma-device-plugin.metricsAuthArgs" -}}
+{{- if include "rdma-device-plugin.metricsAuth" . }}
+# HTTPS, and a bearer token reviewed by the API server (TokenReview, SubjectAccessReview of get /metrics).
+- --metrics-auth
+- kubernetes
+- --metrics-tls-cert
+- /etc/rdma-device-plugin-metrics-tls/tls.crt
+- --metrics-tls-key
+- /etc/rdma-device-plugin-metrics-tls/tls.key
+{{- end }}
+{{- end }}
+
+{{- define "rdma-device-plugin.metricsAuthMount" -}}
+{{- if include "rdma-device-plugin.metricsAuth" . }}
+# The metrics serving certificate (read; re-read when the Secret is renewed).
+- name: metrics-tls
+  mountPath: /etc/rdma-device-plugin-metrics-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "rdma-device-plugin.metricsAuthVolume" -}}
+{{- if include "rdma-device-plugin.metricsAuth" . }}
+- name: metrics-tls
+  secret:
+    secretName: {{ include "rdma-device-plugin.metricsTlsSecret" . }}
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
+{{- end }}

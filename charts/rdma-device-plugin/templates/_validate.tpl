@@ -85,6 +85,9 @@ label itself validated, or pick its own mode or API) */}}
 {{- if and $v.metrics.prometheusRule.enabled (not (include "rdma-device-plugin.hasAPI" (dict "root" . "api" "monitoring.coreos.com/v1"))) }}
 {{- $errors = append $errors "metrics.prometheusRule.enabled=true needs the prometheus-operator API monitoring.coreos.com/v1, which this cluster does not serve; install prometheus-operator first, set metrics.prometheusRule.enabled=false, or with helm template pass --api-versions monitoring.coreos.com/v1" }}
 {{- end }}
+{{- if and (not $v.metrics.auth.enabled) (or $v.metrics.auth.readers $v.metrics.auth.tlsSecretName) }}
+{{- $errors = append $errors "metrics.auth.readers or metrics.auth.tlsSecretName is set but metrics.auth.enabled=false serves the metrics in plain HTTP to anyone; set metrics.auth.enabled=true, or drop them" }}
+{{- end }}
 {{- if $v.metrics.networkPolicy.enabled }}
 {{- if not $v.metrics.enabled }}
 {{- $errors = append $errors "metrics.networkPolicy.enabled=true needs metrics.enabled=true (it guards the metrics port); set both" }}

@@ -14,7 +14,7 @@ from typing import Any
 import helm_python
 import pytest
 import yaml
-from conftest import CASES, CHART_DIR, by_kind, daemonsets, manifests, one, parse, render, render_raw
+from conftest import CASES, CHART_DIR, MONITORING, VAP_KINDS, by_kind, daemonsets, manifests, one, parse, render, render_raw
 
 README = (CHART_DIR / "README.md").read_text()
 APP = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["appVersion"]  # the default image tag
@@ -360,7 +360,7 @@ def test_extra_volumes_and_mounts() -> None:
 def test_namespace_override() -> None:
     values = {"namespaceOverride": "rdma-system", "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}}}
     for obj in manifests(values):
-        if obj["kind"] in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
+        if obj["kind"] in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "ClusterRole", "ClusterRoleBinding"):
             assert "namespace" not in obj["metadata"]  # cluster-scoped
         else:
             assert obj["metadata"]["namespace"] == "rdma-system", obj["kind"]
@@ -454,3 +454,121 @@ def test_metrics_network_policy_admits_only_the_scrapers_on_the_metrics_port() -
 )
 def test_metrics_network_policy_refused_where_it_cannot_work(values: dict[str, Any], needle: str) -> None:
     assert needle in _render_error(values)
+
+
+# ------------------------------------------------------------------ metrics behind auth (issue 39)
+
+
+AUTH_API = (*VAP_KINDS, *MONITORING, "resource.k8s.io/v1/DeviceClass")
+TLS_DIR = "/etc/rdma-device-plugin-metrics-tls"
+SERVER_NAME = "rdma-rdma-device-plugin-metrics.kube-system.svc"
+
+
+def _with_dra(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """Both APIs rendered (the device plugin's DaemonSets and the DRA driver's) as on a v1.37 cluster."""
+    return parse(render_raw({"driver": "dra", **values}, kube_version="v1.37.0", api_versions=AUTH_API))
+
+
+def _pods(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {ds["metadata"]["name"]: ds["spec"]["template"]["spec"] for ds in by_kind(objs, "DaemonSet")}
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_metrics_are_behind_auth_by_default() -> None:
+    """With metrics on, every DaemonSet (both modes of the device plugin, the DRA driver) serves HTTPS
+    and reviews tokens (flags the real CLI parses), mounts the serving certificate and a token; the
+    chart's certificate names the metrics Service and is signed by its ca.crt; the reader ClusterRole
+    reads /metrics only; the pods' account may create reviews (system:auth-delegator); the PodMonitor
+    scrapes over HTTPS, verified, with the scraper's token."""
+    import kubernetes_validate
+    from cryptography import x509
+
+    from rdma_device_plugin.cli import build_parser
+
+    objs = _with_dra({"metrics": {"enabled": True, "serviceMonitor": {"enabled": True}}})
+    pods = _pods(objs)
+    assert len(pods) == 4, sorted(pods)  # shared, exclusive; each with its DRA driver
+    for name, pod in pods.items():
+        assert pod["automountServiceAccountToken"] is True, name
+        args = pod["containers"][0]["args"]
+        assert _flag(args, "--metrics-auth") == "kubernetes", name
+        parsed = build_parser().parse_args(args)
+        assert (parsed.metrics_tls_cert, parsed.metrics_tls_key) == (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key")
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "metrics-tls")
+        assert mount == {"name": "metrics-tls", "mountPath": TLS_DIR, "readOnly": True}
+        volume = next(v for v in pod["volumes"] if v["name"] == "metrics-tls")
+        assert volume["secret"]["secretName"] == "rdma-rdma-device-plugin-metrics-tls"
+    secret = one(objs, "Secret", "-metrics-tls")
+    assert secret["type"] == "kubernetes.io/tls"
+    import base64
+
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
+    assert cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    ) == [SERVER_NAME]
+    cert.verify_directly_issued_by(ca)
+    assert one(objs, "ClusterRole", "-metrics-reader")["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    delegator = one(objs, "ClusterRoleBinding", "-metrics-auth-delegator")
+    assert delegator["roleRef"]["name"] == "system:auth-delegator"
+    account = one(objs, "ServiceAccount", "-rdma-device-plugin")["metadata"]["name"]
+    assert delegator["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "kube-system"}]
+    scraper = {"kind": "ServiceAccount", "name": "rdma-rdma-device-plugin-metrics-scraper", "namespace": "kube-system"}
+    assert one(objs, "ClusterRoleBinding", "-metrics-reader")["subjects"] == [scraper]
+    token = one(objs, "Secret", "-metrics-scraper-token")
+    assert token["type"] == "kubernetes.io/service-account-token"
+    assert token["metadata"]["annotations"]["kubernetes.io/service-account.name"] == scraper["name"]
+    endpoint = one(objs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {
+        "ca": {"secret": {"name": "rdma-rdma-device-plugin-metrics-tls", "key": "ca.crt"}},
+        "serverName": SERVER_NAME,
+    }
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": token["metadata"]["name"], "key": "token"}}
+    for obj in objs:
+        if obj["kind"] not in ("PodMonitor", "ServiceMonitor", "PrometheusRule"):
+            kubernetes_validate.validate(obj, "1.37", strict=True)
+
+
+def test_metrics_auth_off_is_plain_http_and_the_plugin_has_no_token() -> None:
+    """metrics.auth.enabled=false (the documented risk) and metrics off: no auth flags, no certificate,
+    no RBAC for metrics, and the device plugin's pods mount no token (the DRA driver needs its own)."""
+    for metrics in ({"enabled": True, "serviceMonitor": {"enabled": True}, "auth": {"enabled": False}}, {}):
+        objs = _with_dra({"metrics": metrics})
+        for name, pod in _pods(objs).items():
+            assert pod["automountServiceAccountToken"] is name.endswith("-dra"), name
+            assert "--metrics-auth" not in pod["containers"][0]["args"]
+            assert "metrics-tls" not in [v["name"] for v in pod["volumes"]]
+        assert not [o["metadata"]["name"] for o in objs if "-metrics-" in o["metadata"]["name"]]
+        for monitor in by_kind(objs, "PodMonitor"):
+            assert "scheme" not in monitor["spec"]["podMetricsEndpoints"][0]
+
+
+def test_metrics_auth_serves_your_certificate_and_binds_your_readers() -> None:
+    """metrics.auth.tlsSecretName: no certificate of the chart's, the pods and the PodMonitor use yours;
+    metrics.auth.readers: bound to the reader role as valid RBAC subjects."""
+    import kubernetes_validate
+
+    readers = [
+        {"kind": "ServiceAccount", "name": "prometheus-k8s", "namespace": "monitoring"},
+        {"kind": "User", "name": "alice"},
+        {"kind": "Group", "name": "sre"},
+    ]
+    values = {"metrics": {"enabled": True, "auth": {"tlsSecretName": "cm-metrics", "readers": readers}}}
+    objs = _with_dra({**values, "metrics": {**values["metrics"], "serviceMonitor": {"enabled": True}}})
+    assert not [s["metadata"]["name"] for s in by_kind(objs, "Secret") if s["type"] == "kubernetes.io/tls"]
+    for pod in _pods(objs).values():
+        assert next(v for v in pod["volumes"] if v["name"] == "metrics-tls")["secret"]["secretName"] == "cm-metrics"
+    endpoint = one(objs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["tlsConfig"]["ca"]["secret"]["name"] == "cm-metrics"
+    binding = one(objs, "ClusterRoleBinding", "-metrics-reader")
+    kubernetes_validate.validate(binding, "1.37", strict=True)
+    group = "rbac.authorization.k8s.io"
+    assert binding["subjects"][:3] == [
+        readers[0],
+        {"kind": "User", "name": "alice", "apiGroup": group},
+        {"kind": "Group", "name": "sre", "apiGroup": group},
+    ]

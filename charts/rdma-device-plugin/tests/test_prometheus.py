@@ -1,5 +1,6 @@
 """A real Prometheus (Debian's prometheus, 127.0.0.1, 1 s scrapes, its own data dir and port)
-scrapes the real plugin serving a fixture node to the kubelet simulator, and a kube-state-metrics
+scrapes, as the chart's PodMonitor does (HTTPS, the scraper's token reviewed by the session's real
+API server: metrics.auth), the real plugin serving a fixture node to the kubelet simulator, and a kube-state-metrics
 stand-in (prometheus_client serving kube_node_labels and kube_node_status_capacity as
 kube-state-metrics names them, for the fixture node and one RDMA node that runs no plugin): every
 dashboard panel's query returns data before any Allocate, the alerts that see absence fire for the
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from conftest import manifests, one
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -28,7 +30,10 @@ from rdma_kubesim import KubeletSimulator
 from rdma_node import fixtures
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+from kube_pytest import Kube  # noqa: E402
 from prometheus_local import Prometheus, chart_for_keys, free_port  # noqa: E402
+
+pytest_plugins = ["kube_pytest"]  # the session's control plane: it reviews the scrapers' tokens
 
 RES = "rdma/hca"
 JOB = "rdma-rdma-device-plugin-metrics"
@@ -66,8 +71,62 @@ def wait_for(check: Callable[[], Any], timeout: float = WAIT, every: float = 0.5
         time.sleep(every)
 
 
+AUTH_RELEASE = "pm"  # apart from the releases test_real_cluster.py installs
+
+
 @pytest.fixture
-def rig() -> Iterator[dict[str, Any]]:
+def metrics_auth(kube: Kube, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """The chart's metrics.auth objects (release pm, with the PodMonitor's scraper) in the session's API
+    server: the plugin's flags and files as its pod gets them (the serving certificate, a token of its
+    ServiceAccount in a kubeconfig) and the scrape config the PodMonitor gives Prometheus (HTTPS
+    verified with the chart's CA and server name, the scraper's token the API server filled in)."""
+    import base64
+
+    from conftest import NAMESPACE, parse, render_raw
+
+    objs = parse(render_raw({"metrics": {"enabled": True, "serviceMonitor": {"enabled": True}}}, name=AUTH_RELEASE))
+    tls = next(o for o in objs if o["kind"] == "Secret" and o["type"] == "kubernetes.io/tls")
+    applied = [
+        o
+        for o in objs
+        if o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
+        or (o["kind"] == "Secret" and o["type"] == "kubernetes.io/service-account-token")
+    ]
+    kube.apply(applied)
+    try:
+        for key in ("ca.crt", "tls.crt", "tls.key"):
+            (tmp_path / key).write_bytes(base64.b64decode(tls["data"][key]))
+        token_secret = next(o["metadata"]["name"] for o in applied if o["kind"] == "Secret")
+
+        def scraper_token() -> str:
+            data = kube.get("secret", "-n", NAMESPACE, token_secret).get("data") or {}
+            return base64.b64decode(data["token"]).decode() if "token" in data else ""
+
+        token = wait_for(scraper_token, timeout=60)
+        assert token, "the API server never filled the scraper's token Secret"
+        (tmp_path / "scraper-token").write_text(token)
+        account = next(o for o in objs if o["kind"] == "ServiceAccount" and "scraper" not in o["metadata"]["name"])
+        plugin_token = kube.kubectl("create", "token", "-n", NAMESPACE, account["metadata"]["name"]).stdout.strip()
+        kubeconfig = yaml.safe_load(kube.cluster.kubeconfig.read_text())
+        kubeconfig["users"] = [{"name": u["name"], "user": {"token": plugin_token}} for u in kubeconfig["users"]]
+        (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+        endpoint = one(objs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]
+        yield {
+            "flags": ["--metrics-auth", "kubernetes", "--kubeconfig", str(tmp_path / "kubeconfig"),
+                      "--metrics-tls-cert", str(tmp_path / "tls.crt"), "--metrics-tls-key", str(tmp_path / "tls.key")],
+            "scrape": {
+                "scheme": endpoint["scheme"],
+                "tls_config": {"ca_file": str(tmp_path / "ca.crt"), "server_name": endpoint["tlsConfig"]["serverName"]},
+                "authorization": {"type": "Bearer", "credentials_file": str(tmp_path / "scraper-token")},
+            },
+        }  # fmt: skip
+    finally:
+        items = {"apiVersion": "v1", "kind": "List", "items": applied}
+        kube.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-", input=json.dumps(items), check=False)
+
+
+@pytest.fixture
+def rig(metrics_auth: dict[str, Any]) -> Iterator[dict[str, Any]]:
     tmp = Path(tempfile.mkdtemp(prefix="rdp-pm-", dir="/tmp"))
     fx = fixtures.write_node(str(tmp / "node"), fixtures.lingjun_node(nics=4, bond=True))
     dp = tmp / "dp"
@@ -77,7 +136,7 @@ def rig() -> Iterator[dict[str, Any]]:
     log = open(tmp / "plugin.log", "w", encoding="utf-8")  # noqa: SIM115 - closed below
     cmd = [sys.executable, "-m", "rdma_device_plugin", "serve", "--sysfs-root", fx.sysfs, "--dev-root", fx.dev]
     cmd += ["--procfs-root", fx.procfs, "--device-plugin-dir", str(dp), "--health-file", str(tmp / "health.json")]
-    cmd += ["--metrics-address", f"127.0.0.1:{port}"]
+    cmd += ["--metrics-address", f"127.0.0.1:{port}", *metrics_auth["flags"]]
     plugin = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     registry = CollectorRegistry()
     registry.register(KubeStateMetrics())
@@ -95,7 +154,7 @@ def rig() -> Iterator[dict[str, Any]]:
     dashboard = json.loads(one(objs, "ConfigMap", "-dashboard")["data"]["rdma-device-plugin.json"])
     ksm_job = {"job_name": "kube-state-metrics", "static_configs": [{"targets": [ksm_target]}]}
     prom = Prometheus(JOB, [f"127.0.0.1:{port}"], {"node": NODE, "namespace": "kube-system", "pod": "rdma-fixture"}, groups,
-                      extra_scrape_configs=[ksm_job])
+                      extra_scrape_configs=[ksm_job], scrape=metrics_auth["scrape"])
     try:
         yield {"fx": fx, "sim": sim, "prom": prom, "dashboard": dashboard, "log": tmp / "plugin.log"}
     finally:
@@ -144,6 +203,8 @@ def test_dashboard_queries_return_data_and_alerts_see_absence(rig: dict[str, Any
     assert sim.wait_registered(RES, timeout=WAIT), rig["log"].read_text()
     prom.wait_ready(WAIT)
     assert wait_for(lambda: prom.query(f'up{{job="{JOB}"}} == 1')), prom.targets()
+    # scraped as the PodMonitor scrapes: HTTPS, with the scraper's token (metrics.auth)
+    assert [t["scrapeUrl"][:8] for t in prom.targets() if t["labels"]["job"] == JOB] == ["https://"]
 
     # before any Allocate: every panel has data, the Allocate histogram included. The not-ready table's
     # columns come from the plugin of a not-ready node: the only one now has no plugin (its row only),

@@ -148,6 +148,25 @@ def _tenant_namespace(kube: Kube, name: str) -> str:
     return name
 
 
+def test_the_metrics_certificate_survives_an_upgrade(kube: Kube) -> None:
+    """metrics.auth: `helm install` makes the serving certificate and the RBAC the API server accepts;
+    `helm upgrade` keeps the certificate (Helm lookup), as the chart's README promises."""
+    values = {"metrics": {"enabled": True, "auth": {"readers": [{"kind": "Group", "name": "sre"}]}}}
+    secret = "rdma-rdma-device-plugin-metrics-tls"
+    install(kube, values)
+    try:
+        first = kube.get("secret", "-n", NS, secret)["data"]
+        assert sorted(first) == ["ca.crt", "tls.crt", "tls.key"]
+        install(kube, {**values, "logLevel": "debug"})
+        assert kube.get("secret", "-n", NS, secret)["data"] == first
+        binding = kube.get("clusterrolebinding", "rdma-rdma-device-plugin-metrics-reader")
+        assert {"kind": "Group", "name": "sre", "apiGroup": "rbac.authorization.k8s.io"} in binding["subjects"]
+        delegator = kube.get("clusterrolebinding", "rdma-rdma-device-plugin-metrics-auth-delegator")
+        assert delegator["roleRef"]["name"] == "system:auth-delegator"
+    finally:
+        uninstall(kube)
+
+
 @pytest.mark.parametrize("case", ["defaults", "non-hostnetwork"])
 def test_the_admission_policy_decides_in_the_api_server_as_cel_python_does(kube: Kube, case: str) -> None:
     """Every pod of the matrix, dry-run created in the real API server: denied exactly when the

@@ -52,6 +52,11 @@ def assert_problems(message: str, *needles: str) -> None:
         ({"workloadEnv": {"gidIndex": 3}}, "additional properties 'gidIndex' not allowed"),
         ({"metrics": {"enabled": "yes"}}, "at '/metrics/enabled': got string, want boolean"),
         ({"metrics": {"port": 70000}}, "at '/metrics/port': maximum"),
+        ({"metrics": {"auth": {"enabled": "off"}}}, "at '/metrics/auth/enabled': got string, want boolean"),
+        ({"metrics": {"auth": {"tlsSecretName": "Metrics_TLS"}}}, "at '/metrics/auth/tlsSecretName'"),
+        ({"metrics": {"auth": {"readers": [{"kind": "Robot", "name": "x"}]}}}, "at '/metrics/auth/readers/0/kind'"),
+        ({"metrics": {"auth": {"readers": [{"kind": "ServiceAccount", "name": "prom"}]}}}, "at '/metrics/auth/readers/0': missing property 'namespace'"),
+        ({"metrics": {"auth": {"readers": [{"kind": "Group"}]}}}, "at '/metrics/auth/readers/0': missing property 'name'"),
         ({"admissionPolicy": {"validationActions": ["Reject"]}}, "at '/admissionPolicy/validationActions/0'"),
         ({"admissionPolicy": {"validationActions": []}}, "at '/admissionPolicy/validationActions'"),
         ({"selectors": {"deviceIDs": [1021]}}, "at '/selectors/deviceIDs/0': got number, want string"),
@@ -140,6 +145,13 @@ def test_steering_labels_a_kubelet_could_set_are_refused() -> None:
         "driverLabelKey=example.com/driver: a kubelet can set",
         "validation.labelKey=node-restriction.kubernetes.io.evil.com/validated: a kubelet can set",
     )
+
+
+@pytest.mark.parametrize("auth", [{"readers": [{"kind": "Group", "name": "sre"}]}, {"tlsSecretName": "cm-metrics"}])
+def test_metrics_auth_settings_need_auth_on(auth: dict) -> None:
+    """Readers or a certificate with auth off would read as protected metrics that are not."""
+    message = render_error({"metrics": {"enabled": True, "auth": {"enabled": False, **auth}}})
+    assert_problems(message, "metrics.auth.enabled=false serves the metrics in plain HTTP to anyone; set metrics.auth.enabled=true")
 
 
 def test_single_combination() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 LOG = logging.getLogger("rdma_device_plugin")
 
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+from . import metricsflags  # noqa: E402 - standard library only, cheap
 from .supervision import DEFAULT_HEALTH_FILE  # noqa: E402 - standard library only, cheap
 
 
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-address",
         default=_env("METRICS_ADDRESS", ""),
         help="serve Prometheus metrics on HOST:PORT (off when empty, the default)",
+    )
+    metricsflags.add_arguments(serve, _env)
+    serve.add_argument(
+        "--kubeconfig",
+        default=_env("KUBECONFIG", ""),
+        help="API server credentials for --metrics-auth kubernetes only (default: the pod's service account)",
     )
     serve.add_argument(
         "--status-file",

@@ -1,18 +1,19 @@
 """Prometheus metrics (``--metrics-address HOST:PORT``; off by default).
 
-A :class:`MetricsHooks` (the server's ``Hooks`` observer) owns its own registry and
-serves it over HTTP (:class:`BoundedHTTPServer`: prometheus_client's WSGI app in bounded threads)
-bound to the given address only. The metrics, their labels and the alerts built on them are listed in one
-table: docs/operations.md ("Metrics"). Gauges that describe state are read at scrape time from
-what the supervisor last published (published.NodeView, the loops' heartbeats): immutable, so a
-scrape takes no lock the supervisor or the gRPC loop takes. Allocate is counted on the gRPC loop
-in plain numbers only that loop writes (no prometheus_client lock on that path); the scrape reads
-copies. The port map is replaced by every probe (it lists every RDMA device on the node), so a NIC
-that vanished drops out of ``rdma_dp_port_*`` and ``rdma_dp_nic_info``; while a pool still holds
+A :class:`MetricsHooks` (the server's ``Hooks`` observer) owns its own registry and serves it over
+HTTP (:class:`BoundedHTTPServer`: prometheus_client's WSGI app in bounded threads) bound to the
+given address only; with ``--metrics-auth kubernetes`` over HTTPS, to reviewed bearer tokens only
+(:mod:`.metricsauth`, loaded only then). The metrics, their labels and the alerts built on them are
+listed in one table: docs/operations.md ("Metrics"). Gauges that describe state are read at scrape
+time from what the supervisor last published (published.NodeView, the loops' heartbeats): immutable,
+so a scrape takes no lock the supervisor or the gRPC loop takes. Allocate is counted on the gRPC
+loop in plain numbers only that loop writes (no prometheus_client lock on that path); the scrape
+reads copies. The port map is replaced by every probe (it lists every RDMA device on the node), so a
+NIC that vanished drops out of ``rdma_dp_port_*`` and ``rdma_dp_nic_info``; while a pool still holds
 it (health.vanishGraceSeconds) it shows as ``rdma_dp_port_state{state="GONE"}`` and an Unhealthy NIC
 in ``rdma_dp_pool_nics``; port state changes are counted by their owner (discovery) and published
-with the view. With a sysfs root, the NICs' own port counters are exported too, read at scrape
-time (:mod:`.port_counters`) for the NICs of the last published re-list.
+with the view. With a sysfs root, the NICs' own port counters are exported too, read at scrape time
+(:mod:`.port_counters`) for the NICs of the last published re-list.
 """
 
 from __future__ import annotations
@@ -52,6 +53,29 @@ MAX_CONNECTIONS = 64
 IDLE_SECONDS = 10.0
 REQUEST_SECONDS = 5.0
 WORKERS = 2
+
+
+TlsSource = Callable[[], Any]  # the current ssl.SSLContext (metricsauth.ServingCert.context)
+
+
+def auth_of(args: Any) -> tuple[TlsSource | None, Any]:
+    """(TLS context source, token reviewer) of the --metrics-auth/--metrics-tls-* flags; ValueError
+    names a bad one. Plain HTTP, the flags' default, imports neither ssl nor the API client."""
+    if args.metrics_auth == "none" and not args.metrics_tls_cert and not args.metrics_tls_key:
+        return None, None
+    from . import metricsauth
+
+    return metricsauth.from_args(args)
+
+
+def guarded_app(registry: CollectorRegistry, reviewer: Any) -> Any:
+    """prometheus_client's WSGI app, behind the reviewer when there is one (metricsauth.guard)."""
+    app = make_wsgi_app(registry)
+    if reviewer is None:
+        return app
+    from . import metricsauth
+
+    return metricsauth.guard(app, reviewer)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -298,9 +322,9 @@ class MetricsHooks(Hooks):
 
     # ------------------------------------------------------------------ HTTP
 
-    def serve(self, address: str) -> tuple[str, int]:
+    def serve(self, address: str, tls: TlsSource | None = None, reviewer: Any = None) -> tuple[str, int]:
         host, port = parse_address(address)
-        server = BoundedHTTPServer(host, port, make_wsgi_app(self.registry))
+        server = BoundedHTTPServer(host, port, guarded_app(self.registry, reviewer), tls)
         self._server = server
         return host, server.port
 
@@ -320,7 +344,8 @@ class _QuietHandler(WSGIRequestHandler):
 class BoundedHTTPServer:
     """The metrics endpoint in bounded threads and memory, whatever clients open (see MAX_CONNECTIONS)."""
 
-    def __init__(self, host: str, port: int, app: Any) -> None:
+    def __init__(self, host: str, port: int, app: Any, tls: TlsSource | None = None) -> None:
+        self._tls = tls  # HTTPS: the handshake runs on a worker, under the request's timeout
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -383,6 +408,9 @@ class BoundedHTTPServer:
         """One request, then the connection is closed (HTTP/1.0, as prometheus_client's server)."""
         try:
             conn.setblocking(True)
+            if self._tls is not None:
+                conn.settimeout(REQUEST_SECONDS)
+                conn = self._tls().wrap_socket(conn, server_side=True)
             _QuietHandler(conn, conn.getpeername(), self._wsgi)
         except OSError:
             pass  # the client went away, or timed out mid-request

@@ -717,11 +717,12 @@ def _serve(args: argparse.Namespace, lock: sockets.InstanceLock) -> int:
     hooks: Hooks | None = None
     metrics_address = args.metrics_address
     if metrics_address:
-        from .metrics import MetricsHooks
+        from .metrics import MetricsHooks, auth_of
 
         metrics = MetricsHooks(sysfs_root=args.sysfs_root)  # port counters read from it at scrape time
         try:
-            host, port = metrics.serve(metrics_address)
+            tls, reviewer = auth_of(args)  # the API server is reviewed only with --metrics-auth kubernetes
+            host, port = metrics.serve(metrics_address, tls, reviewer)
         except (OSError, ValueError) as exc:
             print(f"rdma-device-plugin: cannot serve metrics on {metrics_address}: {exc}", file=sys.stderr)
             return 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..metricsflags import add_arguments as add_metrics_auth
+
 DEFAULT_DRIVER = "rdma.lingjun.io"
 DEFAULT_HEALTH_FILE = "/dev/shm/rdma-dra-driver.health"
 
@@ -49,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=env("RDMA_DRA_METRICS_ADDRESS", ""),
         help="serve Prometheus metrics on HOST:PORT (e.g. [$(POD_IP)]:9410; empty: off)",
     )
+    add_metrics_auth(p, lambda name, default: env(f"RDMA_DRA_{name}", default))
     p.add_argument(
         "--health-file",
         default=env("RDMA_DRA_HEALTH_FILE", DEFAULT_HEALTH_FILE),

@@ -29,6 +29,7 @@ from types import FrameType
 
 from ..config import PluginConfig, load_config
 from ..inventory import NodeInventory
+from ..metrics import auth_of
 from ..supervision import remove_health, write_health
 from . import kubeapi, model, version
 from .claims import Claims, read_boot_id
@@ -243,7 +244,8 @@ class Driver:
     def run(self) -> int:
         if self.args.metrics_address:
             try:
-                host, port = self.metrics.serve(self.args.metrics_address)
+                tls, reviewer = auth_of(self.args)
+                host, port = self.metrics.serve(self.args.metrics_address, tls, reviewer)
             except (OSError, ValueError) as exc:
                 LOG.error("cannot serve metrics", extra={"address": self.args.metrics_address, "error": str(exc)})
                 return 2

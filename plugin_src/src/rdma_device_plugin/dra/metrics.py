@@ -1,6 +1,7 @@
 """The DRA driver's Prometheus metrics (``dra --metrics-address HOST:PORT``; off by default), in the
-device plugin's style (:mod:`..metrics`): its own registry, served by prometheus_client's threaded
-HTTP server on the given address only; state read at scrape time from what the driver last
+device plugin's style (:mod:`..metrics`): its own registry, served by the plugin's bounded server
+on the given address only (over HTTPS and behind a bearer token's review with --metrics-auth:
+:mod:`..metricsauth`); state read at scrape time from what the driver last
 published; prepare and unprepare counted in plain numbers under a small lock (the kubelet calls
 them on several gRPC threads). The metrics and the alerts on them: docs/operations.md, docs/alerts.md.
 
@@ -23,12 +24,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .. import __version__
-from ..metrics import LATENCY_BUCKETS, parse_address
+from ..metrics import LATENCY_BUCKETS, BoundedHTTPServer, TlsSource, guarded_app, parse_address
 
 OPERATIONS = ("prepare", "unprepare")
 
@@ -131,14 +132,13 @@ class Metrics:
         self.registry.register(_Collector(state, stats))
         self._server: Any = None
 
-    def serve(self, address: str) -> tuple[str, int]:
+    def serve(self, address: str, tls: TlsSource | None = None, reviewer: Any = None) -> tuple[str, int]:
         host, port = parse_address(address)
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        server = BoundedHTTPServer(host, port, guarded_app(self.registry, reviewer), tls)
         self._server = server
-        return host, int(server.server_address[1])
+        return host, server.port
 
     def stop(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
+            server.close()
