@@ -17,11 +17,11 @@ help: ## list the targets
 $(VENV)/.stamp: requirements-dev.txt plugin_src/pyproject.toml plugins/module_utils/pyproject.toml plugin_src/kubesim/pyproject.toml
 	@echo "setup [1/3] $(VENV): Python virtual environment"
 	@test -x $(PY) || python3 -m venv $(VENV)
-	@$(PY) -m pip install -q --upgrade pip
-	@echo "setup [2/3] requirements-dev.txt (ansible, molecule, helm engine, test tools)"
-	@$(PY) scripts/pip_progress.py -r requirements-dev.txt
+	@echo "setup [2/3] requirements-dev.txt (pip, ansible, molecule, helm engine, test tools; every file checked against its sha256)"
+	@$(PY) scripts/pip_progress.py --require-hashes -r requirements-dev.txt
 	@echo "setup [3/3] the plugin, the node package and the kubelet simulator (editable: plugin_src/, plugins/module_utils/, plugin_src/kubesim/)"
-	@$(PY) -m pip install -q -e plugins/module_utils -e plugin_src -e plugin_src/kubesim
+	@$(PY) -m pip install -q --no-deps --no-build-isolation -e plugins/module_utils -e plugin_src -e plugin_src/kubesim
+	@$(PY) -m pip check -q
 	@touch $@
 	@echo "setup done: $(VENV)"
 

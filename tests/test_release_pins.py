@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,44 @@ def test_the_image_role_builds_from_the_committed_base(role: str) -> None:
         "'BASE_IMAGE_DIGEST': _plugin_image_base_digest"
         in (ROOT / "roles" / role / "tasks/0040-build-push.yml").read_text()
     )
+
+
+def _dev_requirements() -> dict[str, list[str]]:
+    """requirements-dev.txt: pin -> its hashes."""
+    found: dict[str, list[str]] = {}
+    pin = ""
+    for line in (ROOT / "requirements-dev.txt").read_text().splitlines():
+        if line and not line.startswith((" ", "#")):
+            pin = line.split()[0]
+            found[pin] = []
+        elif "--hash=sha256:" in line:
+            found[pin].append(line.split("--hash=sha256:")[1].split()[0])
+    return found
+
+
+def test_make_setup_installs_only_hash_checked_files() -> None:
+    """The toolchain `make setup` runs (as root in CI and in the release's build job) comes from files
+    whose sha256 is committed: every pin has hashes, pip installs the file with --require-hashes (pip
+    and setuptools too), and the project's own packages fetch nothing (no deps, no build isolation)."""
+    pins = _dev_requirements()
+    assert len(pins) > 90 and all(pins.values()), [p for p, h in pins.items() if not h]
+    assert {"pip", "setuptools", "flit-core"} <= {p.split("==")[0].lower().replace("_", "-") for p in pins}
+    recipe = (ROOT / "Makefile").read_text().split("$(VENV)/.stamp:", 1)[1].split("\n\n", 1)[0]
+    installs = [x for x in recipe.splitlines() if " install " in x]
+    assert installs and all(
+        "--require-hashes -r requirements-dev.txt" in x or "--no-deps --no-build-isolation" in x for x in installs
+    ), installs
+
+
+def test_a_file_that_does_not_match_its_committed_hash_is_refused(tmp_path: Path) -> None:
+    """The attack: the index (or a mirror, or the cache) serves other bytes under a pinned version."""
+    pin, hashes = next((p, h) for p, h in _dev_requirements().items() if p.startswith("iniconfig=="))
+    forged = tmp_path / "requirements.txt"
+    forged.write_text(f"{pin} --hash=sha256:{'0' * 64}\n")
+    pip = [str(Path(sys.executable).parent / "pip"), "download", "--no-deps", "--require-hashes", "-d", str(tmp_path)]
+    refused = subprocess.run([*pip, "-r", str(forged)], capture_output=True, text=True, timeout=300, check=False)
+    assert refused.returncode != 0 and "DO NOT MATCH THE HASHES" in refused.stderr, refused.stderr
+    good = tmp_path / "good.txt"
+    good.write_text(f"{pin} " + " ".join(f"--hash=sha256:{h}" for h in hashes) + "\n")
+    fetched = subprocess.run([*pip, "-r", str(good)], capture_output=True, text=True, timeout=300, check=False)
+    assert fetched.returncode == 0, fetched.stderr
