@@ -433,12 +433,27 @@ def test_metrics_network_policy_admits_only_the_scrapers_on_the_metrics_port() -
     kubernetes_validate.validate(policy, kube_minor_versions()[-1], strict=True)
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     assert policy["spec"]["ingress"] == [{"from": PROMETHEUS, "ports": [{"port": 9500, "protocol": "TCP"}]}]
-    selector = policy["spec"]["podSelector"]["matchLabels"]
+    selector = policy["spec"]["podSelector"]
     for ds in daemonsets(values).values():  # it selects the plugin pods of both modes
         labels = ds["spec"]["template"]["metadata"]["labels"]
-        assert all(labels.get(k) == v for k, v in selector.items()), (selector, labels)
+        assert _selects(selector, labels), (selector, labels)
     test_pod = one(objs, "Pod", "-test-allocation")
-    assert not all(test_pod["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())
+    assert not _selects(selector, test_pod["metadata"].get("labels", {}))
+    with_dra = _with_dra(values)  # the DRA driver's pods serve metrics on the same port: guarded too
+    (policy,) = by_kind(with_dra, "NetworkPolicy")
+    drivers = [d for d in by_kind(with_dra, "DaemonSet") if "dra" in d["metadata"]["name"]]
+    assert drivers and all(_selects(policy["spec"]["podSelector"], d["spec"]["template"]["metadata"]["labels"]) for d in drivers)
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector's matchLabels and its In expressions (the kinds the chart writes)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
 
 
 @pytest.mark.parametrize(
