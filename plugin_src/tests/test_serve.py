@@ -64,13 +64,13 @@ def test_health_flip_reaches_kubelet_within_a_second(
     assert sim.wait_registered(RES)
     t0 = time.monotonic()
     node.set_port_state("mlx5_bond_2", "DOWN")
-    assert sim.wait_for(lambda: sim.allocatable(RES) == 0, timeout=5)
+    assert sim.wait_for(lambda: sim.allocatable(RES) == 0, timeout=60)
     assert time.monotonic() - t0 < 1.5
     assert sim.capacity(RES) == 1000
     with pytest.raises(AllocationFailed, match="no healthy devices present"):
         sim.allocate(RES, 1)
     node.set_port_state("mlx5_bond_2", "ACTIVE")
-    assert sim.wait_for(lambda: sim.allocatable(RES) == 1000, timeout=5)
+    assert sim.wait_for(lambda: sim.allocatable(RES) == 1000, timeout=60)
 
 
 def test_hot_plug_remove_and_add(sim: KubeletSimulator, start_plugin, node: fixtures.FixtureNode) -> None:  # type: ignore[no-untyped-def]
@@ -103,7 +103,7 @@ def test_kubelet_restart_reregisters_within_2s(sim: KubeletSimulator, start_plug
     for _ in range(3):
         t0 = time.monotonic()
         sim.restart()
-        assert sim.wait_registered(RES, timeout=5)
+        assert sim.wait_registered(RES, timeout=60)
         assert time.monotonic() - t0 < 2.0
         assert sim.node_status()["allocatable"] == {RES: "1k"}
     # the checkpoint file is the kubelet's: only the simulator wrote it, with the same allocation
@@ -119,7 +119,7 @@ def test_plugin_survives_kubelet_absent_at_start(dp_dir: Path, start_plugin) -> 
     assert plugin.proc.poll() is None
     sim = KubeletSimulator(str(dp_dir)).start()
     try:
-        assert sim.wait_registered(RES, timeout=5), plugin.output()
+        assert sim.wait_registered(RES, timeout=60), plugin.output()
     finally:
         sim.stop()
 
@@ -129,7 +129,7 @@ def test_lost_plugin_socket_is_recreated(sim: KubeletSimulator, start_plugin, dp
     assert sim.wait_registered(RES)
     first = plugin_socket(dp_dir)
     os.unlink(first)
-    assert sim.wait_registered(RES, count=2, timeout=5)
+    assert sim.wait_registered(RES, count=2, timeout=60)
     again = plugin_socket(dp_dir)  # a name is used once: the next start of the same instance
     assert again.is_socket() and again != first
     assert sockets.parse(again.name).instance == sockets.parse(first.name).instance  # type: ignore[union-attr]
