@@ -149,7 +149,9 @@ def _certs(d: Path) -> None:
     )
 
 
-def kubeconfig(server: str, pki: Path) -> str:
+def kubeconfig(server: str, pki: Path, cert: Path | None = None, key: Path | None = None) -> str:
+    """A kubeconfig for the cluster's CA with a client certificate: the admin's unless ``cert``/``key``
+    name another (a kubelet's system:node: credential, say)."""
     return json.dumps(
         {
             "apiVersion": "v1",
@@ -161,8 +163,8 @@ def kubeconfig(server: str, pki: Path) -> str:
                 {
                     "name": "admin",
                     "user": {
-                        "client-certificate": str(pki / "admin.crt"),
-                        "client-key": str(pki / "admin.key"),
+                        "client-certificate": str(cert or pki / "admin.crt"),
+                        "client-key": str(key or pki / "admin.key"),
                     },
                 }
             ],

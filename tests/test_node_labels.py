@@ -20,6 +20,7 @@ from conftest import ROOT, run_playbook
 
 sys.path.insert(0, str(ROOT / "scripts"))
 pytest.register_assert_rewrite("kube_pytest")
+from kube_cluster import kubeconfig  # noqa: E402
 from kube_pytest import Kube, wait_for  # noqa: E402
 from real_node import _node_cert  # noqa: E402
 
@@ -56,29 +57,9 @@ def _as_kubelet(kube: Kube, tmp_path: Path, node: str) -> Callable[..., subproce
     system:node:<node> in system:nodes, signed by the cluster's CA."""
     pki = Path(kube.cluster.dir) / "pki"
     _node_cert(pki, tmp_path, node)
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "local",
-                "cluster": {"server": kube.cluster.server(), "certificate-authority": str(pki / "ca.crt")},
-            }
-        ],
-        "users": [
-            {
-                "name": "kubelet",
-                "user": {
-                    "client-certificate": str(tmp_path / "kubelet-client.crt"),
-                    "client-key": str(tmp_path / "kubelet-client.key"),
-                },
-            }
-        ],
-        "contexts": [{"name": "node", "context": {"cluster": "local", "user": "kubelet"}}],
-        "current-context": "node",
-    }
     kc = tmp_path / "kubelet.kubeconfig"
-    kc.write_text(json.dumps(config))
+    cert, key = tmp_path / "kubelet-client.crt", tmp_path / "kubelet-client.key"
+    kc.write_text(kubeconfig(kube.cluster.server(), pki, cert, key))
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
