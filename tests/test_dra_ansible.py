@@ -202,6 +202,11 @@ def test_which_nodes_dra_serves_and_which_pods_ask_local() -> None:
     nodes = [node("a"), node("b", "dra"), node("c", "devicePlugin")]
     assert rdma_dra.dra_nodes(nodes, DRIVER_LABEL, "dra") == ["a", "b"]
     assert rdma_dra.dra_nodes(nodes, DRIVER_LABEL, "devicePlugin") == ["b"]  # dra.enabled alone
+    # Before the deploy copies the labels of chart 2.x: the old key decides, the new one wins where both are.
+    old = {"metadata": {"name": "d", "labels": {"rdma.lingjun.io/driver": "dra"}}}
+    both = {"metadata": {"name": "e", "labels": {"rdma.lingjun.io/driver": "dra", DRIVER_LABEL: "devicePlugin"}}}
+    assert rdma_dra.dra_nodes([old, both], DRIVER_LABEL, "devicePlugin", ["rdma.lingjun.io/driver"]) == ["d"]
+    assert rdma_dra.dra_nodes([old], DRIVER_LABEL, "devicePlugin") == []
     pods = [
         pod("p1", "a"),
         pod("p2", "b", init=True, part="requests"),

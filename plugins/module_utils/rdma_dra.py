@@ -163,13 +163,16 @@ def version_problem(doc):
     )
 
 
-def dra_nodes(nodes, label_key, driver):
+def dra_nodes(nodes, label_key, driver, legacy_keys=()):
     """The names of ``nodes`` (API objects) the release serves by DRA: labelled ``dra``, or unlabelled
-    while the chart's ``driver`` is dra."""
+    while the chart's ``driver`` is dra. A node that has only a key of ``legacy_keys`` (the label before
+    chart 3.0.0, which the deploy copies to ``label_key`` after this check) is judged by it."""
     out = []
     for n in nodes:
         meta = n.get("metadata") or {}
-        if ((meta.get("labels") or {}).get(label_key) or driver) == "dra":
+        labels = meta.get("labels") or {}
+        value = labels.get(label_key) or next((labels[k] for k in legacy_keys if labels.get(k)), None)
+        if (value or driver) == "dra":
             out.append(meta.get("name", ""))
     return sorted(out)
 

@@ -23,6 +23,11 @@ extends_documentation_fragment: [lingjun.rdma.rdma_k8s]
 options:
   driver: {description: Chart value C(driver) (C(rdma_driver)), the API of unlabelled nodes., type: str, default: dra}
   driver_label_key: {description: Chart value C(driverLabelKey)., type: str, default: node-restriction.kubernetes.io/rdma-driver}
+  legacy_driver_label_keys:
+    description: Keys of the driver label before chart 3.0.0; a node without I(driver_label_key) is judged by them (the deploy copies them later).
+    type: list
+    elements: str
+    default: []
   resource_names: {description: The release's resource names (C(rdma_resource_name))., type: list, elements: str, required: true}
 """
 
@@ -57,6 +62,7 @@ def main():
             CONNECTION_ARGS,
             driver=dict(type="str", default="dra"),
             driver_label_key=dict(type="str", default=DRIVER_LABEL),
+            legacy_driver_label_keys=dict(type="list", elements="str", default=[], no_log=False),
             resource_names=dict(type="list", elements="str", required=True),
         ),
         supports_check_mode=True,
@@ -65,7 +71,9 @@ def main():
     try:
         cluster = Cluster(p["kubeconfig"], p["context"], p["request_timeout"])
         version = cluster.call("GET", "/version")
-        nodes = dra_nodes(cluster.list("/api/v1/nodes"), p["driver_label_key"], p["driver"])
+        nodes = dra_nodes(
+            cluster.list("/api/v1/nodes"), p["driver_label_key"], p["driver"], p["legacy_driver_label_keys"]
+        )
         pods = cluster.list("/api/v1/pods", field_selector="status.phase!=Succeeded,status.phase!=Failed")
     except K8sError as err:
         module.fail_json(msg=str(err))
