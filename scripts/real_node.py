@@ -232,11 +232,14 @@ class RealNode:
         name: str = "rdma-node-0",
         labels: dict[str, str] | None = None,
         fixture_args: list[str] | None = None,
+        kubelet_flags: list[str] | None = None,
     ) -> None:
         self.cluster = cluster
         self.name = name
         self.labels = dict(labels or {})
         self.fixture_args = list(fixture_args or [])
+        # More kubelet flags (a bench's --vmodule for the DRA plugin client's per-call log lines).
+        self.kubelet_flags = list(kubelet_flags or [])
         self.dir = cluster.dir / NODE_DIR
         self.fs = self.dir / "fs"
         self.root = self.dir / "root"  # the fixture node: root/sys, root/dev
@@ -752,6 +755,7 @@ state = "/run/containerd"
             "--root-dir=/var/lib/kubelet",
             f"--cert-dir={self.dir / 'pki'}",
             "--v=2",
+            *self.kubelet_flags,
         ]
         if labels:
             argv.append(f"--node-labels={labels}")
