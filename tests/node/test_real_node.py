@@ -91,6 +91,24 @@ def rdma_pod(name: str, image: str, *, n: str = "1", resource: str = "rdma/hca",
     }
 
 
+# One shared NIC through the chart's DeviceClass.
+NIC_CLASS = "nic.rdma.lingjun.io"
+ONE_NIC = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "ResourceClaimTemplate",
+    "metadata": {"name": "one-nic", "namespace": NS},
+    "spec": {"spec": {"devices": {"requests": [{"name": "nic", "exactly": {"deviceClassName": NIC_CLASS}}]}}},
+}
+
+
+def _claim_pod(name: str, image: str, sleep: float = 0) -> dict[str, Any]:
+    """rdma_pod with one claim of a shared NIC (the one-nic template) instead of rdma/hca."""
+    pod = rdma_pod(name, image, sleep=sleep)
+    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "nic"}]}
+    pod["spec"]["resourceClaims"] = [{"name": "nic", "resourceClaimTemplateName": "one-nic"}]
+    return pod
+
+
 def probe_of(pods: Pods, name: str) -> dict[str, Any]:
     return dict(json.loads(pods.logs(NS, name).strip().splitlines()[0]))
 
@@ -405,22 +423,8 @@ def test_the_dra_driver_runs_as_a_pod_and_pods_get_nics_through_cdi(
         assert uverbs == sorted(nics.values()), got
         assert all(d["open"] in ALLOWED for d in got["devices"].values()), got
         assert got["env"]["NCCL_IB_HCA"] == "=" + ",".join(sorted(nics))
-        claim_pod = rdma_pod("dra-claim", image)
-        del claim_pod["spec"]["containers"][0]["resources"]
-        claim_pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "nic"}]}
-        claim_pod["spec"]["resourceClaims"] = [{"name": "nic", "resourceClaimTemplateName": "one-nic"}]
-        template = {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaimTemplate",
-            "metadata": {"name": "one-nic", "namespace": NS},
-            "spec": {
-                "spec": {
-                    "devices": {"requests": [{"name": "nic", "exactly": {"deviceClassName": "nic.rdma.lingjun.io"}}]}
-                }
-            },
-        }
-        kube.apply(template)
-        pods.create(claim_pod)
+        kube.apply(ONE_NIC)
+        pods.create(_claim_pod("dra-claim", image))
         pods.wait_phase(NS, "dra-claim", ("Succeeded", "Failed"), timeout=240)
         got = probe_of(pods, "dra-claim")
         uverbs = [tuple(v["rdev"]) for k, v in got["devices"].items() if k.startswith("uverbs")]
@@ -428,6 +432,90 @@ def test_the_dra_driver_runs_as_a_pod_and_pods_get_nics_through_cdi(
         for p in ("dra-ext", "dra-claim"):
             pods.delete(NS, p)
     finally:
+        helm(kube, real_node)
+        wait_allocatable(kube, "rdma/hca", "1k", timeout=180)
+
+
+def _driver_pods(kube: Kube) -> list[dict[str, Any]]:
+    items = kube.get("pods", "-n", "kube-system", "-l", "app.kubernetes.io/component=dra-driver")["items"]
+    return [p for p in items if p["spec"].get("nodeName") == NODE and p["status"].get("phase") == "Running"]
+
+
+def _slice_uids(kube: Kube) -> frozenset[str]:
+    return frozenset(
+        s["metadata"]["uid"]
+        for s in kube.get("resourceslices", "--field-selector", f"spec.nodeName={NODE}")["items"]
+        if s["spec"]["driver"] == "rdma.lingjun.io"
+    )
+
+
+def test_the_dra_driver_rolls_and_survives_a_kubelet_restart_without_a_failed_prepare(
+    kube: Kube, real_node: RealNode, pods: Pods
+) -> None:
+    """driver: dra on the real kubelet. A rolling update (the chart's maxSurge: the new driver pod beside
+    the old one, each with its own sockets) while claim pods keep arriving: every pod is prepared at the
+    first attempt, the one running through it keeps running, the node's slices stay the same objects
+    (the kubelet never wipes them). Then a kubelet restart: the kubelet deletes every slice of its node
+    as it starts (pkg/kubelet/cm/dra/plugin: wipeResourceSlices), the driver writes them anew, the running
+    pod keeps its container, and a new claim pod is prepared."""
+    import threading
+
+    nics = _fixture_nics(real_node)
+    image = str(dict(real_node.state()["images"])["workload"])  # type: ignore[call-overload]
+    helm(kube, real_node, "driver=dra")
+    seen: dict[str, Any] = {"most drivers": 0, "slices": set()}
+    stop = threading.Event()
+    try:
+        kube.apply(ONE_NIC)
+        slices = wait_for(lambda: _slice_uids(kube), timeout=120)
+        assert slices, "the driver published no ResourceSlice for the node"
+        pods.create(_claim_pod("roll-long", image, sleep=3600))
+        cid = pods.wait_ready(NS, "roll-long")["status"]["containerStatuses"][0]["containerID"]
+
+        def watch() -> None:
+            while not stop.is_set():
+                seen["most drivers"] = max(seen["most drivers"], len(_driver_pods(kube)))
+                seen["slices"].add(_slice_uids(kube))
+                stop.wait(0.2)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        rollout = threading.Thread(target=helm, args=(kube, real_node, "driver=dra", "podAnnotations.rollout=two"))
+        rollout.start()
+        arrived = []
+        while rollout.is_alive() or len(arrived) < 2:
+            name = f"roll-{len(arrived)}"
+            pods.create(_claim_pod(name, image))
+            arrived.append(name)
+            pods.wait_phase(NS, name, ("Succeeded", "Failed"), timeout=240)
+        rollout.join()
+        stop.set()
+        watcher.join()
+        assert seen["most drivers"] == 2, "the rolling update never ran the new driver pod beside the old one"
+        assert seen["slices"] == {slices}, f"the node's slices changed or went during the rollout: {seen['slices']}"
+        for name in arrived:
+            got = probe_of(pods, name)
+            uverbs = [tuple(v["rdev"]) for k, v in got["devices"].items() if k.startswith("uverbs")]
+            assert len(uverbs) == 1 and uverbs[0] in nics.values(), (name, got)
+        failed = kube.get("events", "-n", NS, "--field-selector", "reason=FailedPrepareDynamicResources")["items"]
+        assert not failed, [e["message"] for e in failed]
+
+        real_node.restart_kubelet()
+        real_node.wait_ready()
+        anew = wait_for(lambda: (u := _slice_uids(kube)) and not u & slices and u, timeout=120)
+        assert anew, f"the slices were not written anew after the kubelet's start: {_slice_uids(kube)}"
+        st = pods.wait_ready(NS, "roll-long")["status"]["containerStatuses"][0]
+        assert st["containerID"] == cid and st["restartCount"] == 0, st
+        pods.create(_claim_pod("roll-after", image))
+        pods.wait_phase(NS, "roll-after", ("Succeeded", "Failed"), timeout=240)
+        got = probe_of(pods, "roll-after")
+        assert [k for k in got["devices"] if k.startswith("uverbs")], got
+        failed = kube.get("events", "-n", NS, "--field-selector", "reason=FailedPrepareDynamicResources")["items"]
+        assert not failed, [e["message"] for e in failed]
+    finally:
+        stop.set()
+        for p in ("roll-long", "roll-after", *(f"roll-{i}" for i in range(10))):
+            pods.delete(NS, p, wait=False)
         helm(kube, real_node)
         wait_allocatable(kube, "rdma/hca", "1k", timeout=180)
 
