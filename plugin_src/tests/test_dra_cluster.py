@@ -1299,6 +1299,73 @@ def test_records_survive_a_restart_are_dropped_by_a_reboot_and_orphans_are_colle
         _unprepare(exclusive, kept, "kept")
 
 
+def test_the_orphan_collector_skips_fresh_claims_and_reads_the_watch_cache(
+    api: Api, cluster: kube_cluster.Cluster, exclusive: DraNode, objs: Objects, tmp_path: Path
+) -> None:
+    """What a pass costs the API server (issue 38): a claim prepared since the previous pass is not
+    asked about; the others are read from the API server's watch cache (resourceVersion "0"), and only
+    one that is gone there is read again from etcd (a quorum read) before its record is dropped. The
+    driver's own Claims in this process, on the exclusive node's NICs, its GETs recorded."""
+    from rdma_device_plugin.config import load_config
+    from rdma_device_plugin.dra.claims import Claims
+    from rdma_device_plugin.dra.inventory import Inventory
+
+    gets: list[tuple[str, dict[str, str]]] = []
+
+    class Recording(kubeapi.Client):
+        def get(self, path: str, query: Any = None) -> dict[str, Any]:
+            gets.append((path.rsplit("/", 1)[-1], dict(query or {})))
+            return super().get(path, query)
+
+    config = load_config(str(exclusive.config))
+    nics = NodeInventory(config, exclusive.fixture.sysfs, exclusive.fixture.dev)
+    nics.full()
+    inventory = Inventory(config, exclusive.fixture.sysfs)
+    published = model.build(
+        DRIVER, exclusive.name, config.mode, inventory.resources(), inventory.views(nics), inventory.unhealthy_since
+    )
+    claims = Claims(
+        Recording(kubeapi.from_kubeconfig(str(cluster.kubeconfig))),
+        DRIVER,
+        exclusive.name,
+        str(tmp_path / "state"),
+        str(tmp_path / "cdi"),
+        lambda: published,
+        nics,
+    )
+    names = {"orph-old": "mlx5_bond_0", "orph-gone": "mlx5_bond_1", "orph-new": "mlx5_bond_2"}
+    for name, nic in names.items():
+        objs.claim(name, request("nic", EXCLUSIVE))
+        _write_allocation(api, name, exclusive, _device(api, exclusive, nic, "exclusive"))
+    uid = {n: api.claim(n)["metadata"]["uid"] for n in names}
+    for name in ("orph-old", "orph-gone"):
+        claims.prepare("default", uid[name], name)
+    gets.clear()
+    assert claims.collect() == 0 and gets == []  # prepared since the last pass: not asked about
+    claims.prepare("default", uid["orph-new"], "orph-new")
+    api.delete(claim("orph-gone", []))
+
+    def gone_from_the_cache() -> bool:
+        try:
+            api.client.get(kubeapi.claim_path("default", "orph-gone"), {"resourceVersion": "0"})
+        except kubeapi.ApiError as exc:
+            return kubeapi.not_found(exc)
+        return False
+
+    wait_for("the deletion in the API server's watch cache", gone_from_the_cache)
+    gets.clear()
+    assert claims.collect() == 1
+    cached = {"resourceVersion": "0"}
+    assert sorted(gets, key=str) == sorted([("orph-gone", cached), ("orph-gone", {}), ("orph-old", cached)], key=str)
+    assert set(claims.prepared()) == {uid["orph-old"], uid["orph-new"]}
+    # The next pass asks about the claim prepared before the last one too, again from the cache only.
+    gets.clear()
+    assert claims.collect() == 0
+    assert sorted(gets, key=str) == sorted([("orph-new", cached), ("orph-old", cached)], key=str)
+    for name in ("orph-old", "orph-new"):
+        claims.unprepare("default", uid[name], name)
+
+
 # ------------------------------------------------------------------ names that survive a reboot
 
 

@@ -22,6 +22,7 @@ import argparse
 import http.client
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -42,7 +43,12 @@ from .service import DeviceHealth, HealthFeed, KubeletService
 LOG = logging.getLogger("rdma_device_plugin.dra")
 RELIST_CHECK_SECONDS = 1.0
 PUBLISH_MAX_AGE_SECONDS = 300.0
-COLLECT_SECONDS = 300.0  # orphaned prepared claims (the first pass right after the start)
+# Orphaned prepared claims: the first pass right after the start (the kubelet may have missed what
+# happened while the driver was down), then every 10 minutes as NVIDIA's gpu-kubelet-plugin does
+# (cleanup.go, ResourceClaimCleanupInterval), each period drawn from 5-15 minutes so that a fleet
+# started together does not ask in step. Orphans are rare (the kubelet unprepares what it prepared);
+# what keeping one longer costs: docs/dra.md.
+COLLECT_SECONDS = (300.0, 900.0)
 VERSION_RETRY_SECONDS = 60.0  # a server below the floor: read /version again (an upgrade starts the driver)
 VERSION_ERROR_RETRY_SECONDS = 5.0  # a server that did not answer
 
@@ -263,7 +269,7 @@ class Driver:
         self.service.start()
         interval = self.config.health.interval_seconds
         last_check = last_health = 0.0
-        last_collect = -COLLECT_SECONDS
+        next_collect = 0.0
         collecting = threading.Thread()
         try:
             while not self.stop_event.wait(interval):
@@ -275,8 +281,8 @@ class Driver:
                         last_check = now
                         self.nics.check_devices()
                     self.rebuild()
-                    if now - last_collect >= COLLECT_SECONDS and not collecting.is_alive():
-                        last_collect = now  # a GET per prepared claim: off this loop
+                    if now >= next_collect and not collecting.is_alive():
+                        next_collect = now + random.uniform(*COLLECT_SECONDS)  # a GET per claim: off this loop
                         collecting = threading.Thread(target=self._collect, name="collect", daemon=True)
                         collecting.start()
                 except Exception:
