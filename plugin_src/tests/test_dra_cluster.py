@@ -1305,7 +1305,8 @@ def test_the_orphan_collector_skips_fresh_claims_and_reads_the_watch_cache(
     """What a pass costs the API server (issue 38): a claim prepared since the previous pass is not
     asked about; the others are read from the API server's watch cache (resourceVersion "0"), and only
     one that is gone there is read again from etcd (a quorum read) before its record is dropped. The
-    driver's own Claims in this process, on the exclusive node's NICs, its GETs recorded."""
+    driver's own Claims in this process, on the exclusive node's NICs, its GETs recorded. An orphan in
+    the way of a new claim's prepare is checked and dropped right then."""
     from rdma_device_plugin.config import load_config
     from rdma_device_plugin.dra.claims import Claims
     from rdma_device_plugin.dra.inventory import Inventory
@@ -1362,7 +1363,17 @@ def test_the_orphan_collector_skips_fresh_claims_and_reads_the_watch_cache(
     gets.clear()
     assert claims.collect() == 0
     assert sorted(gets, key=str) == sorted([("orph-new", cached), ("orph-old", cached)], key=str)
-    for name in ("orph-old", "orph-new"):
+    # An orphan in the way of a claim the scheduler allocated goes at that prepare (a quorum read of
+    # the claim it held), not at the next pass: the new claim is not refused meanwhile.
+    objs.claim("orph-next", request("nic", EXCLUSIVE))
+    _write_allocation(api, "orph-next", exclusive, _device(api, exclusive, names["orph-old"], "exclusive"))
+    uid["orph-next"] = api.claim("orph-next")["metadata"]["uid"]
+    api.delete(claim("orph-old", []))
+    gets.clear()
+    claims.prepare("default", uid["orph-next"], "orph-next")
+    assert gets == [("orph-next", {}), ("orph-old", {})]
+    assert set(claims.prepared()) == {uid["orph-new"], uid["orph-next"]}
+    for name in ("orph-new", "orph-next"):
         claims.unprepare("default", uid[name], name)
 
 

@@ -19,7 +19,8 @@ prepared here). Calls for one claim run one at a time.
 The last line of defence: the scheduler's counters keep an exclusive view of a NIC apart from its
 shared and set views, but an allocation written around the scheduler (by an admin, a bug, a stale
 allocator) is refused here, naming both claims: a NIC prepared for one claim in a view is not
-prepared for another claim in a conflicting view (exclusive beside anything).
+prepared for another claim in a conflicting view (exclusive beside anything), unless that claim is
+gone from the API (an orphan: its record is dropped at that prepare).
 
 The kubelet's claim UID is checked (a Kubernetes UID: a UUID) before it names a file, and the claim's
 namespace and name are escaped in URLs. :meth:`Claims.collect` removes what no claim owns any more:
@@ -192,14 +193,19 @@ class Claims:
             return dict(self._prepared)
 
     @contextlib.contextmanager
-    def _serialized(self, uid: str) -> Iterator[None]:
-        """One prepare or unprepare of a claim at a time (the kubelet may retry while one runs)."""
+    def _serialized(self, uid: str, wait: bool = True) -> Iterator[bool]:
+        """One prepare or unprepare of a claim at a time (the kubelet may retry while one runs); with
+        ``wait`` False it yields False at once when a call for the claim runs."""
         with self._lock:
             lock, users = self._claim_locks.setdefault(uid, (threading.Lock(), [0]))
             users[0] += 1
         try:
-            with lock:
-                yield
+            got = lock.acquire(blocking=wait)
+            try:
+                yield got
+            finally:
+                if got:
+                    lock.release()
         finally:
             with self._lock:
                 users[0] -= 1
@@ -259,6 +265,7 @@ class Claims:
             "allocation": digest,
             "boot": self.boot_id,
         }
+        self._collect_in_the_way(uid, held)
         with self._lock:  # the check and the write it allows, as one step against other claims
             self._refuse_conflicts(where, uid, held)
             _write_json(path, spec)
@@ -270,6 +277,35 @@ class Claims:
             extra={"claim": f"{namespace}/{name}", "uid": uid, "devices": [d.device for d in devices], "cdi": path},
         )
         return devices
+
+    def _collect_in_the_way(self, uid: str, held: list[dict[str, Any]]) -> None:
+        """Other claims' records that conflict with ``held``, whose claims are gone from the API (a quorum
+        read): dropped now rather than at the collector's next pass, so an orphan never refuses a claim
+        the scheduler allocated. A claim with a call running is left to the refusal (no lock order)."""
+        with self._lock:
+            holders = sorted(
+                (other, rec)
+                for other, rec in self._prepared.items()
+                if other != uid and any(conflict(m, t) for t in rec.get("held") or [] for m in held)
+            )
+        for other, rec in holders:
+            with self._serialized(other, wait=False) as got:
+                if not got or other not in self.prepared():
+                    continue
+                try:
+                    alive, claim = self._holds(other, rec, cached=False)
+                except kubeapi.ApiError as exc:
+                    LOG.warning("orphan check skipped", extra={"uid": other, "error": str(exc)})
+                    continue
+                if not alive:
+                    self._drop_orphan(other, rec, claim)
+
+    def _drop_orphan(self, uid: str, rec: dict[str, Any], claim: dict[str, Any]) -> None:
+        self._drop(uid)
+        LOG.info(
+            "orphaned prepared claim removed",
+            extra={"claim": f"{rec['namespace']}/{rec['name']}", "uid": uid, "in_api": bool(claim)},
+        )
 
     def _refuse_conflicts(self, where: str, uid: str, held: list[dict[str, Any]]) -> None:
         for other, rec in sorted(self._prepared.items()):
@@ -509,11 +545,7 @@ class Claims:
                     continue
                 if held:
                     continue
-                self._drop(uid)
+                self._drop_orphan(uid, rec, claim)
                 dropped += 1
-                LOG.info(
-                    "orphaned prepared claim removed",
-                    extra={"claim": f"{rec['namespace']}/{rec['name']}", "uid": uid, "in_api": bool(claim)},
-                )
         self._collect_files()
         return dropped
