@@ -130,7 +130,8 @@ def at_rest(cluster: ds.kube_cluster.Cluster, seconds: float) -> dict[str, int]:
             event = json.loads(line)
             if event.get("userAgent", "").startswith(ds.kubeapi.USER_AGENT):
                 ref = event.get("objectRef", {})
-                seen[event["auditID"]] = f"{event['verb']} {ref.get('resource', '')}"
+                cached = " (watch cache)" if "resourceVersion=0" in event.get("requestURI", "") else ""
+                seen[event["auditID"]] = f"{event['verb']} {ref.get('resource', '')}{cached}"
     return dict(collections.Counter(seen.values()))
 
 
