@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
-from rdma_device_plugin.metrics import parse_address
+from rdma_device_plugin.metricsserver import parse_address
 from rdma_kubesim import KubeletSimulator
 from rdma_node import fixtures
 
@@ -288,7 +288,7 @@ def test_two_thousand_idle_connections_neither_restart_the_plugin_nor_block_a_sc
     nothing: the plugin keeps its thread count, answers a scrape, and is the same process after."""
     import resource
 
-    from rdma_device_plugin import metrics
+    from rdma_device_plugin import metricsserver
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < 2200:
@@ -304,7 +304,7 @@ def test_two_thousand_idle_connections_neither_restart_the_plugin_nor_block_a_sc
             idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
         m = _scrape(port)  # a new connection makes room: the longest idle one is closed
         assert _get(m, "rdma_dp_devices", resource=RES, health="Healthy") == 1000
-        assert _threads(plugin.proc.pid) <= before + metrics.WORKERS, (before, _threads(plugin.proc.pid))
+        assert _threads(plugin.proc.pid) <= before + metricsserver.WORKERS, (before, _threads(plugin.proc.pid))
         # the oldest idle connections were closed by the plugin: reading them gives EOF at once
         idle[0].settimeout(10)
         assert idle[0].recv(1) == b""

@@ -33,7 +33,7 @@ def test_serve_path_leaves_out_the_simulator_fixtures_pyverbs_and_metrics() -> N
 def test_plain_metrics_load_no_api_client_nor_certificate() -> None:
     """Metrics without --metrics-auth/--metrics-tls-*: neither the auth module nor the API client."""
     args = "cli.build_parser().parse_args(['serve', '--metrics-address', '127.0.0.1:1'])"
-    mods = _modules(f"from rdma_device_plugin import metrics; metrics.auth_of({args})")
+    mods = _modules(f"from rdma_device_plugin import metrics, metricsserver; metricsserver.auth_of({args})")
     assert "rdma_device_plugin.metrics" in mods
     assert not {"rdma_device_plugin.metricsauth", "rdma_device_plugin.dra.kubeapi"} & mods
 

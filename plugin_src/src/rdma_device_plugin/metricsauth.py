@@ -30,7 +30,7 @@ from .dra import kubeapi
 ALLOWED_SECONDS = 120.0
 DENIED_SECONDS = 10.0
 CACHE_ENTRIES = 256
-REVIEW_TIMEOUT_SECONDS = 5.0  # the metrics server's per-request bound (metrics.REQUEST_SECONDS)
+REVIEW_TIMEOUT_SECONDS = 5.0  # the metrics server's per-request bound (metricsserver.REQUEST_SECONDS)
 PATH = "/metrics"
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/subjectaccessreviews"

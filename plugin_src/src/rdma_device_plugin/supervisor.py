@@ -717,7 +717,8 @@ def _serve(args: argparse.Namespace, lock: sockets.InstanceLock) -> int:
     hooks: Hooks | None = None
     metrics_address = args.metrics_address
     if metrics_address:
-        from .metrics import MetricsHooks, auth_of
+        from .metrics import MetricsHooks
+        from .metricsserver import auth_of
 
         metrics = MetricsHooks(sysfs_root=args.sysfs_root)  # port counters read from it at scrape time
         try:

@@ -19,7 +19,8 @@ prepared here). Calls for one claim run one at a time.
 The last line of defence: the scheduler's counters keep an exclusive view of a NIC apart from its
 shared and set views, but an allocation written around the scheduler (by an admin, a bug, a stale
 allocator) is refused here, naming both claims: a NIC prepared for one claim in a view is not
-prepared for another claim in a conflicting view (exclusive beside anything).
+prepared for another claim in a conflicting view (exclusive beside anything), unless that claim is
+gone from the API (an orphan: its record is dropped at that prepare).
 
 The kubelet's claim UID is checked (a Kubernetes UID: a UUID) before it names a file, and the claim's
 namespace and name are escaped in URLs. :meth:`Claims.collect` removes what no claim owns any more:
@@ -159,6 +160,7 @@ class Claims:
         self._lock = threading.Lock()  # the records (and the conflict check with the write it allows)
         self._claim_locks: dict[str, tuple[threading.Lock, list[int]]] = {}  # uid -> (lock, [users])
         self._prepared: dict[str, dict[str, Any]] = {}
+        self._fresh: set[str] = set()  # claims prepared since the orphan collector's last pass
         self._pod_nics: dict[str, list[tuple[list[str], frozenset[str], frozenset[tuple[str, str]]]]] = {}
         os.makedirs(self.records_dir, exist_ok=True)
         for entry in sorted(os.listdir(self.records_dir)):
@@ -191,14 +193,19 @@ class Claims:
             return dict(self._prepared)
 
     @contextlib.contextmanager
-    def _serialized(self, uid: str) -> Iterator[None]:
-        """One prepare or unprepare of a claim at a time (the kubelet may retry while one runs)."""
+    def _serialized(self, uid: str, wait: bool = True) -> Iterator[bool]:
+        """One prepare or unprepare of a claim at a time (the kubelet may retry while one runs); with
+        ``wait`` False it yields False at once when a call for the claim runs."""
         with self._lock:
             lock, users = self._claim_locks.setdefault(uid, (threading.Lock(), [0]))
             users[0] += 1
         try:
-            with lock:
-                yield
+            got = lock.acquire(blocking=wait)
+            try:
+                yield got
+            finally:
+                if got:
+                    lock.release()
         finally:
             with self._lock:
                 users[0] -= 1
@@ -258,16 +265,47 @@ class Claims:
             "allocation": digest,
             "boot": self.boot_id,
         }
+        self._collect_in_the_way(uid, held)
         with self._lock:  # the check and the write it allows, as one step against other claims
             self._refuse_conflicts(where, uid, held)
             _write_json(path, spec)
             _write_json(os.path.join(self.records_dir, f"{uid}.json"), rec)
             self._prepared[uid] = rec
+            self._fresh.add(uid)
         LOG.info(
             "claim prepared",
             extra={"claim": f"{namespace}/{name}", "uid": uid, "devices": [d.device for d in devices], "cdi": path},
         )
         return devices
+
+    def _collect_in_the_way(self, uid: str, held: list[dict[str, Any]]) -> None:
+        """Other claims' records that conflict with ``held``, whose claims are gone from the API (a quorum
+        read): dropped now rather than at the collector's next pass, so an orphan never refuses a claim
+        the scheduler allocated. A claim with a call running is left to the refusal (no lock order)."""
+        with self._lock:
+            holders = sorted(
+                (other, rec)
+                for other, rec in self._prepared.items()
+                if other != uid and any(conflict(m, t) for t in rec.get("held") or [] for m in held)
+            )
+        for other, rec in holders:
+            with self._serialized(other, wait=False) as got:
+                if not got or other not in self.prepared():
+                    continue
+                try:
+                    alive, claim = self._holds(other, rec, cached=False)
+                except kubeapi.ApiError as exc:
+                    LOG.warning("orphan check skipped", extra={"uid": other, "error": str(exc)})
+                    continue
+                if not alive:
+                    self._drop_orphan(other, rec, claim)
+
+    def _drop_orphan(self, uid: str, rec: dict[str, Any], claim: dict[str, Any]) -> None:
+        self._drop(uid)
+        LOG.info(
+            "orphaned prepared claim removed",
+            extra={"claim": f"{rec['namespace']}/{rec['name']}", "uid": uid, "in_api": bool(claim)},
+        )
 
     def _refuse_conflicts(self, where: str, uid: str, held: list[dict[str, Any]]) -> None:
         for other, rec in sorted(self._prepared.items()):
@@ -439,6 +477,7 @@ class Claims:
     def _drop(self, uid: str) -> None:
         with self._lock:
             rec = self._prepared.pop(uid, None)
+            self._fresh.discard(uid)
             _remove(rec["cdi"] if rec else cdi_file(self.cdi_dir, self.driver, uid))
             _remove(os.path.join(self.records_dir, f"{uid}.json"))
 
@@ -465,30 +504,48 @@ class Claims:
                     _remove(path)
                     LOG.info("orphaned CDI spec removed", extra={"file": entry})
 
+    def _holds(self, uid: str, rec: dict[str, Any], cached: bool) -> tuple[bool, dict[str, Any]]:
+        """Whether the API still has the claim of ``rec``, allocated (the same UID); and the claim
+        ({} when gone). ``cached``: from the API server's watch cache (resourceVersion "0": no etcd
+        read, maybe a moment old), else a quorum read."""
+        query = {"resourceVersion": "0"} if cached else None
+        try:
+            claim = self.client.get(kubeapi.claim_path(str(rec["namespace"]), str(rec["name"])), query)
+        except kubeapi.ApiError as exc:
+            if not kubeapi.not_found(exc):
+                raise
+            claim = {}
+        same = claim.get("metadata", {}).get("uid") == uid
+        return same and bool((claim.get("status") or {}).get("allocation")), claim
+
     def collect(self) -> int:
         """Drop the records of claims gone from the API (or re-created, or deallocated: no pod can use
         them), and CDI specs without a record; the number of claims dropped. The kubelet unprepares
-        what it knows; this catches what it forgot (its state lost, a claim deleted while it was down)."""
+        what it knows; this catches what it forgot (its state lost, a claim deleted while it was down).
+
+        What it costs the API server (issue 38, docs/dra.md): a claim prepared since the previous pass
+        is not asked about (it was read moments ago; a short-lived claim never is); the others with a
+        GET from the API server's watch cache, and only a claim that looks gone there is read again
+        from etcd before its record is dropped (a watch cache may lag behind the prepare's read)."""
         dropped = 0
+        with self._lock:
+            skip, self._fresh = self._fresh, set()
         for uid, rec in sorted(self.prepared().items()):
+            if uid in skip:
+                continue
             with self._serialized(uid):
                 if uid not in self.prepared():
                     continue  # unprepared meanwhile
                 try:
-                    claim = self.client.get(kubeapi.claim_path(str(rec["namespace"]), str(rec["name"])))
+                    held, claim = self._holds(uid, rec, cached=True)
+                    if not held:
+                        held, claim = self._holds(uid, rec, cached=False)
                 except kubeapi.ApiError as exc:
-                    if not kubeapi.not_found(exc):
-                        LOG.warning("orphan check skipped", extra={"uid": uid, "error": str(exc)})
-                        continue
-                    claim = {}
-                same = claim.get("metadata", {}).get("uid") == uid
-                if same and (claim.get("status") or {}).get("allocation"):
+                    LOG.warning("orphan check skipped", extra={"uid": uid, "error": str(exc)})
                     continue
-                self._drop(uid)
+                if held:
+                    continue
+                self._drop_orphan(uid, rec, claim)
                 dropped += 1
-                LOG.info(
-                    "orphaned prepared claim removed",
-                    extra={"claim": f"{rec['namespace']}/{rec['name']}", "uid": uid, "in_api": bool(claim)},
-                )
         self._collect_files()
         return dropped

@@ -22,27 +22,33 @@ import argparse
 import http.client
 import logging
 import os
+import random
 import signal
 import threading
 import time
 from types import FrameType
+from typing import Any
 
 from ..config import PluginConfig, load_config
 from ..inventory import NodeInventory
-from ..metrics import auth_of
 from ..supervision import remove_health, write_health
 from . import kubeapi, model, version
 from .claims import Claims, read_boot_id
 from .inventory import Inventory
 from .kubeletplugin import Instances, Paths, instance_uid
-from .metrics import Metrics, RequestStats, State
 from .publisher import Publisher
 from .service import DeviceHealth, HealthFeed, KubeletService
+from .stats import RequestStats
 
 LOG = logging.getLogger("rdma_device_plugin.dra")
 RELIST_CHECK_SECONDS = 1.0
 PUBLISH_MAX_AGE_SECONDS = 300.0
-COLLECT_SECONDS = 300.0  # orphaned prepared claims (the first pass right after the start)
+# Orphaned prepared claims: the first pass right after the start (the kubelet may have missed what
+# happened while the driver was down), then every 10 minutes as NVIDIA's gpu-kubelet-plugin does
+# (cleanup.go, ResourceClaimCleanupInterval), each period drawn from 5-15 minutes so that a fleet
+# started together does not ask in step. Orphans are rare (the kubelet unprepares what it prepared);
+# what keeping one longer costs: docs/dra.md.
+COLLECT_SECONDS = (300.0, 900.0)
 VERSION_RETRY_SECONDS = 60.0  # a server below the floor: read /version again (an upgrade starts the driver)
 VERSION_ERROR_RETRY_SECONDS = 5.0  # a server that did not answer
 
@@ -84,19 +90,7 @@ class Driver:
         self.service = KubeletService(
             self.driver, self.paths, self.claims, self.feed, self._registered, stats=self.stats
         )
-        self.metrics = Metrics(
-            State(
-                driver=self.driver,
-                mode=config.mode,
-                health=lambda: self.published().health,
-                claims_per_nic=self.claims_per_nic,
-                publish_failures=lambda: self.publisher.failures,
-                in_sync=self.publisher.in_sync.is_set,
-                superseded=lambda: self.publisher.superseded,
-                registered=lambda: self._unregistered_since is None,
-            ),
-            self.stats,
-        )
+        self.metrics: Any = None  # .metrics.Metrics while serving them (--metrics-address)
         self.stop_event = threading.Event()
         self.stop_signal = ""  # set by the signal handler; logged by the loop
         self._unregistered_since: float | None = time.time()
@@ -241,17 +235,39 @@ class Driver:
             time.sleep(0.1)
         LOG.info("no newer instance registered: stopping", extra={"seconds": self.args.handover_seconds})
 
+    def _serve_metrics(self) -> tuple[str, int]:
+        """Serve the metrics; loaded only here: without --metrics-address no prometheus_client (memory)."""
+        from ..metricsserver import auth_of
+        from .metrics import Metrics, State
+
+        state = State(
+            driver=self.driver,
+            mode=self.config.mode,
+            health=lambda: self.published().health,
+            claims_per_nic=self.claims_per_nic,
+            publish_failures=lambda: self.publisher.failures,
+            in_sync=self.publisher.in_sync.is_set,
+            superseded=lambda: self.publisher.superseded,
+            registered=lambda: self._unregistered_since is None,
+        )
+        self.metrics = Metrics(state, self.stats)
+        tls, reviewer = auth_of(self.args)
+        return self.metrics.serve(self.args.metrics_address, tls, reviewer)  # type: ignore[no-any-return]
+
+    def _stop_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
+
     def run(self) -> int:
         if self.args.metrics_address:
             try:
-                tls, reviewer = auth_of(self.args)
-                host, port = self.metrics.serve(self.args.metrics_address, tls, reviewer)
+                host, port = self._serve_metrics()
             except (OSError, ValueError) as exc:
                 LOG.error("cannot serve metrics", extra={"address": self.args.metrics_address, "error": str(exc)})
                 return 2
             LOG.info("serving Prometheus metrics", extra={"address": f"{host}:{port}"})
         if not self._wait_for_a_supported_server():
-            self.metrics.stop()
+            self._stop_metrics()
             if self.args.health_file:
                 remove_health(self.args.health_file)
             LOG.info("stopped")
@@ -263,7 +279,7 @@ class Driver:
         self.service.start()
         interval = self.config.health.interval_seconds
         last_check = last_health = 0.0
-        last_collect = -COLLECT_SECONDS
+        next_collect = 0.0
         collecting = threading.Thread()
         try:
             while not self.stop_event.wait(interval):
@@ -275,8 +291,8 @@ class Driver:
                         last_check = now
                         self.nics.check_devices()
                     self.rebuild()
-                    if now - last_collect >= COLLECT_SECONDS and not collecting.is_alive():
-                        last_collect = now  # a GET per prepared claim: off this loop
+                    if now >= next_collect and not collecting.is_alive():
+                        next_collect = now + random.uniform(*COLLECT_SECONDS)  # a GET per claim: off this loop
                         collecting = threading.Thread(target=self._collect, name="collect", daemon=True)
                         collecting.start()
                 except Exception:
@@ -291,7 +307,7 @@ class Driver:
             self.service.stop()
             self.publisher.stop()
             self.instances.stop()
-            self.metrics.stop()
+            self._stop_metrics()
             self.nics.close()
             if self.args.health_file:
                 remove_health(self.args.health_file)

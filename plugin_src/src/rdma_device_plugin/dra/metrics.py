@@ -3,7 +3,9 @@ device plugin's style (:mod:`..metrics`): its own registry, served by the plugin
 on the given address only (over HTTPS and behind a bearer token's review with --metrics-auth:
 :mod:`..metricsauth`); state read at scrape time from what the driver last
 published; prepare and unprepare counted in plain numbers under a small lock (the kubelet calls
-them on several gRPC threads). The metrics and the alerts on them: docs/operations.md, docs/alerts.md.
+them on several gRPC threads: :mod:`.stats`). Loaded only with --metrics-address: neither it nor
+prometheus_client is in the driver's memory otherwise. The metrics and the alerts on them:
+docs/operations.md, docs/alerts.md.
 
 - ``rdma_dra_requests_total{operation,result}`` and ``rdma_dra_request_seconds{operation}``: the
   kubelet's NodePrepareResources / NodeUnprepareResources, per claim (result ``ok`` | ``error``);
@@ -18,8 +20,6 @@ them on several gRPC threads). The metrics and the alerts on them: docs/operatio
 
 from __future__ import annotations
 
-import bisect
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,30 +29,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from .. import __version__
-from ..metrics import LATENCY_BUCKETS, BoundedHTTPServer, TlsSource, guarded_app, parse_address
-
-OPERATIONS = ("prepare", "unprepare")
-
-
-class RequestStats:
-    """Prepare and unprepare per claim: counts and latency buckets, written by the gRPC threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.ok = dict.fromkeys(OPERATIONS, 0)
-        self.error = dict.fromkeys(OPERATIONS, 0)
-        self.buckets = {op: [0] * (len(LATENCY_BUCKETS) + 1) for op in OPERATIONS}  # +Inf last
-        self.total = dict.fromkeys(OPERATIONS, 0.0)
-
-    def record(self, operation: str, seconds: float, ok: bool) -> None:
-        with self._lock:
-            (self.ok if ok else self.error)[operation] += 1
-            self.buckets[operation][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-            self.total[operation] += seconds
-
-    def copy(self) -> tuple[dict[str, int], dict[str, int], dict[str, list[int]], dict[str, float]]:
-        with self._lock:
-            return dict(self.ok), dict(self.error), {k: list(v) for k, v in self.buckets.items()}, dict(self.total)
+from ..metricsserver import LATENCY_BUCKETS, BoundedHTTPServer, TlsSource, guarded_app, parse_address
+from .stats import OPERATIONS, RequestStats
 
 
 @dataclass

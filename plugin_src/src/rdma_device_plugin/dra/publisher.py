@@ -37,6 +37,7 @@ from . import kubeapi
 LOG = logging.getLogger(__name__)
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 KIND_LABEL = "rdma.lingjun.io/slice"
+MAX_RACES = 5  # passes in a row that meet a change under their write before it counts as a failure
 
 
 def _canonical(spec: dict[str, Any]) -> str:
@@ -130,34 +131,49 @@ class Publisher:
 
     def _loop(self) -> None:
         backoff = 1.0
+        races = 0  # passes in a row whose write met a change the copy had not seen yet
         while not self._stop.is_set():
-            self._wake.wait(self.resync)
+            woken = self._wake.wait(self.resync)
             self._wake.clear()
             if self._stop.is_set():
                 return
             try:
-                self.reconcile()
+                # after a race, a pass no watch event woke reads the API itself (the watch may be stuck)
+                self.reconcile(fresh=bool(races) and not woken)
+                races = 0
                 self.heartbeat = time.time()
                 backoff = 1.0
                 if self.last_error:
                     LOG.info("ResourceSlices published again", extra={"node": self.node})
                 self.last_error = ""
-            except (kubeapi.ApiError, OSError, ValueError) as exc:
-                if str(exc) != self.last_error:
-                    LOG.error(
-                        "cannot publish ResourceSlices",
-                        extra={
-                            "node": self.node,
-                            "error": str(exc),
-                            "fix": "check the driver's RBAC and the API server",
-                        },
-                    )
-                self.last_error = str(exc)
-                self.failures += 1
+            except Raced as exc:
+                # No back-off: the watch event of that change (the kubelet's start deletes every slice
+                # of its node, one by one) wakes the next pass, which then sees it. Issue 38 measured a
+                # 1 s back-off here as 1.05 s from a kubelet restart to the slices.
+                races += 1
                 self.heartbeat = time.time()
+                LOG.debug("a slice changed under a write; looking again", extra={"error": str(exc), "races": races})
+                if races < MAX_RACES:
+                    continue
+                self._failed(exc)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
                 self._wake.set()
+            except (kubeapi.ApiError, OSError, ValueError) as exc:
+                self._failed(exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+                self._wake.set()
+
+    def _failed(self, exc: Exception) -> None:
+        if str(exc) != self.last_error:
+            LOG.error(
+                "cannot publish ResourceSlices",
+                extra={"node": self.node, "error": str(exc), "fix": "check the driver's RBAC and the API server"},
+            )
+        self.last_error = str(exc)
+        self.failures += 1
+        self.heartbeat = time.time()
 
     def _list(self) -> list[dict[str, Any]]:
         self.lists += 1
@@ -165,9 +181,9 @@ class Publisher:
         self._rv = str(doc.get("metadata", {}).get("resourceVersion", ""))
         return list(doc.get("items") or [])
 
-    def _existing(self) -> list[dict[str, Any]]:
-        """The node's slices: the watch's copy while it runs, else a LIST (a pass without the thread)."""
-        if self._synced.is_set():
+    def _existing(self, fresh: bool = False) -> list[dict[str, Any]]:
+        """The node's slices: the watch's copy while it runs, else (or ``fresh``) a LIST."""
+        if self._synced.is_set() and not fresh:
             with self._cache_lock:
                 return list(self._cache.values())
         return self._list()
@@ -196,10 +212,19 @@ class Publisher:
             return None
         spec = {**wanted, "pool": {**wanted["pool"], "generation": cur["spec"]["pool"].get("generation", 0)}}
         body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": cur["metadata"], "spec": spec}
-        out = self.client.request("PUT", f"{SLICES}/{cur['metadata']['name']}", body, query={"dryRun": "All"})
+        out = self._put(cur, body, {"dryRun": "All"})
         form = _canonical(out["spec"])
         self._server_form[kind] = (key, form)
         return form
+
+    def _put(self, cur: dict[str, Any], body: dict[str, Any], query: dict[str, str] | None = None) -> dict[str, Any]:
+        """Update the slice ``cur`` (as the copy has it) to ``body``; :class:`Raced` when it is gone or newer."""
+        try:
+            return self.client.request("PUT", f"{SLICES}/{cur['metadata']['name']}", body, query=query)
+        except kubeapi.ApiError as exc:
+            if kubeapi.not_found(exc) or kubeapi.conflict(exc):
+                raise Raced(str(exc)) from exc
+            raise
 
     def _owner_refs(self) -> list[dict[str, Any]]:
         if self._owner is None:
@@ -212,8 +237,9 @@ class Publisher:
                 return []
         return self._owner
 
-    def reconcile(self) -> bool:
-        """One pass; True when it wrote something."""
+    def reconcile(self, fresh: bool = False) -> bool:
+        """One pass (on a LIST rather than the watch's copy when ``fresh``); True when it wrote something.
+        :class:`Raced` when a write met a change of the slice that the copy did not have yet."""
         with self._lock:
             specs = copy.deepcopy(self._specs)
         if not specs:
@@ -228,7 +254,7 @@ class Publisher:
         self.superseded = False
         t0 = time.monotonic()
         existing: dict[str, list[dict[str, Any]]] = {}
-        for item in self._existing():
+        for item in self._existing(fresh):
             kind = (item["metadata"].get("labels") or {}).get(KIND_LABEL, "")
             existing.setdefault(kind, []).append(item)
         # one slice per kind is ours; duplicates and other kinds are strays
@@ -265,7 +291,7 @@ class Publisher:
                     metadata["labels"] = {**(cur["metadata"].get("labels") or {}), KIND_LABEL: kind}
                     if cur["metadata"].get("annotations"):
                         metadata["annotations"] = cur["metadata"]["annotations"]
-                    out = self.client.update(f"{SLICES}/{cur['metadata']['name']}", body)
+                    out = self._put(cur, body)
                 else:
                     metadata["generateName"] = f"{self.node[:200]}-{self.driver[:40]}-"
                     out = self.client.create(SLICES, body)
@@ -328,6 +354,10 @@ class Publisher:
                 LOG.debug("slice watch ended", extra={"error": str(exc)})
                 self._synced.clear()
                 self._stop.wait(1.0)
+
+
+class Raced(Exception):
+    """A write met a change of the slice the watch had not delivered yet: deleted (404) or changed (409)."""
 
 
 def _newer(a: str, b: str) -> bool:

@@ -37,7 +37,7 @@ from ..api import drahealth_v1_pb2_grpc as health_grpc
 from ..api import pluginregistration_v1_pb2 as reg_pb
 from ..api import pluginregistration_v1_pb2_grpc as reg_grpc
 from .kubeletplugin import FileId, Paths, PreparedDevice, PrepareError, SerializeLock, remove_own, serve_at
-from .metrics import RequestStats
+from .stats import RequestStats
 
 LOG = logging.getLogger(__name__)
 DRA_PLUGIN_TYPE = "DRAPlugin"  # pluginregistration/v1 constants.go
