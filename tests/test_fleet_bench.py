@@ -69,11 +69,22 @@ def test_the_restated_fleet_figure_is_read_from_two_fleet_sizes(tmp_path: Path) 
 
 
 def test_the_fleet_bench_runs_against_a_real_api_server(tmp_path: Path) -> None:
-    """--api real: validate labels and verify reads a real kube-apiserver v1.37.2; the bench's own checks
-    (every node labelled as validated, exactly the gated hosts failing verify, one node list per poll,
-    counted by the server's apiserver_request_total) raise SystemExit when they do not hold."""
-    figures = fleet.bench(6, 6, ["validate", "verify"], False, tmp_path / "run", (), "real")
-    assert [f.phase for f in figures] == ["validate", "verify (kube-apiserver v1.37.2)"]
+    """--api real: site.yml end to end (helm installs the chart into a real kube-apiserver v1.37.2), then
+    validate labels and verify reads the same server; the bench's own checks (the report lists every host,
+    every node labelled as validated, exactly the gated hosts failing verify, the release's DaemonSets in the
+    API, one node list per poll of verify alone, counted by the server's apiserver_request_total) raise
+    SystemExit when they do not hold. One cluster for the three phases."""
+    figures = fleet.bench(6, 6, ["site", "validate", "verify"], False, tmp_path / "run", (), "real")
+    assert [f.phase for f in figures] == [
+        "site (image stage off, helm install, kube-apiserver v1.37.2)",
+        "validate",
+        "verify (kube-apiserver v1.37.2)",
+    ]
+    log = (tmp_path / "run" / "site.log").read_text()
+    assert "TASK [plugin_deploy : Install or upgrade the chart (helm upgrade --install)]" in log, log[-3000:]
+    assert "SKIPPED image stage: plugin_image_enabled is false" in log, log[-3000:]
+    site = figures[0]
+    assert site.node_cpu_s and site.main_cpu_s and site.once_cpu_s, site  # accounted as the other phases
     assert not (tmp_path / "run" / "cluster" / "state.json").exists(), "the bench's cluster was left running"
 
 

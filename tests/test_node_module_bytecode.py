@@ -7,6 +7,7 @@ compiles the shipped source and its verdict is the same."""
 
 from __future__ import annotations
 
+import ast
 import json
 import marshal
 import sys
@@ -57,7 +58,7 @@ def test_the_second_run_executes_the_kept_code(tmp_path: Path, node: fixtures.Fi
     first = _run(home, node)
     cache = home / ".cache" / "lingjun-rdma" / "bytecode"
     kept = sorted(p.name.split("-")[0].removeprefix(PACKAGE + ".") for p in cache.glob("*.pyc"))
-    assert {"checks", "healthchecks", "sysfs", "compute", "nicchecks"} <= set(kept), kept
+    assert {"checks", "healthchecks", "sysfs", "compute", "nicchecks", "nodeinfo"} <= set(kept), kept
     assert "_bytecode" not in kept and "fixtures" not in kept  # the hook itself, and what a run never imports
     assert cache.stat().st_mode & 0o777 == 0o700
     assert {p.stat().st_mode & 0o777 for p in cache.glob("*.pyc")} == {0o600}
@@ -99,3 +100,13 @@ def test_outside_a_zip_nothing_changes() -> None:
     # The device plugin and this checkout import the package from files: Python's own __pycache__.
     assert not _bytecode.install(rdma_node)
     assert not any(isinstance(f, _bytecode._CachedFinder) for f in sys.path_importer_cache.values())
+
+
+def test_the_module_file_is_a_thin_entry() -> None:
+    """AnsiballZ ships the module file itself as source, compiled at every run: it holds the documentation,
+    the argument spec and one call; the read is rdma_node.nodeinfo's, whose code the node keeps compiled."""
+    tree = ast.parse((ROOT / "plugins" / "modules" / "rdma_node_info.py").read_text())
+    defined = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Lambda))]
+    assert defined == ["main"], defined
+    (main,) = (n for n in tree.body if isinstance(n, ast.FunctionDef))
+    assert [ast.unparse(n).split("(")[0] for n in main.body] == ["module = AnsibleModule", "nodeinfo.run"]
