@@ -520,6 +520,7 @@ def main() -> int:
         prep, unprep = bench.prepares(args.pods)
         pid = driver_pids()[0]
         rss, hwm, threads = status_kb(pid, "VmRSS"), status_kb(pid, "VmHWM"), status_kb(pid, "Threads")
+        anon, files = status_kb(pid, "RssAnon"), status_kb(pid, "RssFile")
         print(f"[6/6] at rest for {args.rest_seconds:.0f} s", flush=True)
         rest = bench.at_rest(args.rest_seconds)
     finally:
@@ -580,8 +581,9 @@ def main() -> int:
         "### Memory",
         "",
         (
-            f"VmRSS {rss / 1024:.1f} MiB, VmHWM {hwm / 1024:.1f} MiB, {threads} threads: the driver's process in "
-            f"its container, after {len(prep)} claims prepared and unprepared."
+            f"VmRSS {rss / 1024:.1f} MiB (RssAnon {anon / 1024:.1f}, RssFile {files / 1024:.1f}: shared libraries' "
+            f"pages), VmHWM {hwm / 1024:.1f} MiB, {threads} threads: the driver's process in its container, after "
+            f"{len(prep)} claims prepared and unprepared."
         ),
         "",
         f"### API requests of the driver at rest ({args.rest_seconds:.0f} s)",
