@@ -188,16 +188,16 @@ def _alive(pid: int, exe: str) -> bool:
 
 
 def _stop(procs: dict[str, dict[str, object]], timeout: float = 15.0, order: list[str] | None = None) -> list[str]:
-    """SIGTERM in reverse start order, SIGKILL after timeout; the names of those still alive."""
+    """SIGTERM in reverse start order, each once the one before it has exited (kube-apiserver's
+    shutdown hooks write to etcd: with etcd stopped beside it, they retried for 10 s), SIGKILL after
+    timeout; the names of those still alive."""
     order = order if order is not None else [n for n in reversed(COMPONENTS) if n in procs]
+    deadline = time.monotonic() + timeout
     for n in order:
         pid, exe = int(procs[n]["pid"]), str(procs[n]["exe"])  # type: ignore[call-overload]
         if _alive(pid, exe):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for n in order:
-        pid, exe = int(procs[n]["pid"]), str(procs[n]["exe"])  # type: ignore[call-overload]
         while _alive(pid, exe) and time.monotonic() < deadline:
             _reap(pid)
             time.sleep(0.05)

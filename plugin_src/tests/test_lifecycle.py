@@ -644,7 +644,9 @@ def test_an_older_instances_register_reaching_the_kubelet_last_never_leaves_0(  
                 and sim.allocatable(RES) == 1000
             )
 
-        assert sim.wait_for(served_by_the_newer, timeout=30), new.output()[-3000:]
+        assert sim.wait_for(served_by_the_newer, timeout=30), (
+            f"older:\n{old.output()[-3000:]}\nnewer:\n{new.output()[-3000:]}"
+        )
         assert sim.allocate(RES, 1, pod="after").envs["RDMA_DEVICES"]
         assert "Traceback" not in old.output() + new.output()
     finally:

@@ -4,8 +4,10 @@ ListAndWatch message serialized once per change."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +16,13 @@ from typing import Any
 import grpc
 import pytest
 
-from rdma_device_plugin import resources, sockets
+from rdma_device_plugin import registration, resources, sockets
 from rdma_device_plugin.api import deviceplugin_pb2 as pb
 from rdma_device_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from rdma_device_plugin.config import PluginConfig, load_config_text
 from rdma_device_plugin.resources import build_pools
-from rdma_device_plugin.server import PluginServer
-from rdma_device_plugin.supervision import BACKOFF_INITIAL_SECONDS, REPEAT_SECONDS, Backoff
+from rdma_device_plugin.server import Hooks, PluginServer
+from rdma_device_plugin.supervision import BACKOFF_INITIAL_SECONDS, REPEAT_SECONDS, Backoff, LogOnce
 from rdma_node import fixtures, sysfs
 
 NAME_IN_A_PID_NAMESPACE = (
@@ -229,3 +231,45 @@ def test_a_socket_pin_is_closed_once_by_whoever_owns_it(short_tmp: Path) -> None
         taken.close()
         taken.close()
         assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_an_older_instance_gone_before_the_takeover_looks_again_is_still_seen_going(
+    node: fixtures.FixtureNode, dp_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The older instance stands down as soon as it sees its socket renamed and removes the .retiring
+    file; its removal is the newer one's event to register again (on 1.28-1.34 its stream's end cut the
+    client registered last). Here it is gone before the newer one looks at the dir again (a loaded
+    machine can deschedule it right after its rename): the next pass must still see it go. The peers
+    were listed after the renames, and allocatable stayed 0 (test_lifecycle's
+    test_an_older_instances_register_reaching_the_kubelet_last_never_leaves_0, 2 of 6 under load)."""
+    pool = build_pools(PluginConfig())[0]
+    pool.set_nics(sysfs.read_nics(node.sysfs, node.dev))
+    reg = registration.Registration(
+        pool, str(dp_dir), Hooks(), lambda *a: None, lambda *a: None, LogOnce(logging.getLogger("t"))
+    )
+    older = sockets.socket_name(pool.name, 0, instance="0" * 20)
+    rename = os.rename
+
+    def rename_and_stand_down(src: str, dst: str) -> None:  # the older instance, at once
+        rename(src, dst)
+        os.unlink(dst)
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:  # the older instance serves
+        listener.bind(str(dp_dir / older))
+        listener.listen()
+        reg.step(0.0, kubelet_present=False, slow=False)  # serving, the older instance seen
+        reg.state = registration.State.REGISTERED  # the kubelet holds our stream (the events' part)
+        monkeypatch.setattr(registration.os, "rename", rename_and_stand_down)
+        reg._take_over()
+        monkeypatch.undo()
+    assert not list(dp_dir.glob(f"{older}*"))
+    first = reg.server
+    try:
+        with caplog.at_level(logging.INFO, logger=registration.LOG.name):
+            reg.step(1.0, kubelet_present=False, slow=True)
+        assert "another instance's socket of rdma/hca went away" in caplog.text
+        assert reg.server is not None and reg.server is not first  # a fresh socket, to register again
+    finally:
+        servers, _ = reg.stop()
+        for server in servers:
+            server.stop()

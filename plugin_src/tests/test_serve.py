@@ -65,7 +65,10 @@ def test_health_flip_reaches_kubelet_within_a_second(
     t0 = time.monotonic()
     node.set_port_state("mlx5_bond_2", "DOWN")
     assert sim.wait_for(lambda: sim.allocatable(RES) == 0, timeout=60)
-    assert time.monotonic() - t0 < 1.5
+    # The bound is the plugin's (a probe every 0.1 s, the update pushed at once), read from when the
+    # kubelet took the update in: not from when this thread got the CPU back to look.
+    took_in = next(t for t, _, healthy in sim.endpoints[RES].snapshots if healthy == 0)
+    assert took_in - t0 < 1.5
     assert sim.capacity(RES) == 1000
     with pytest.raises(AllocationFailed, match="no healthy devices present"):
         sim.allocate(RES, 1)
@@ -101,10 +104,13 @@ def test_kubelet_restart_reregisters_within_2s(sim: KubeletSimulator, start_plug
     sim.allocate(RES, 1, pod="keep")
     checkpoint = (dp_dir / CHECKPOINT).read_text(encoding="utf-8")
     for _ in range(3):
-        t0 = time.monotonic()
         sim.restart()
         assert sim.wait_registered(RES, timeout=60)
-        assert time.monotonic() - t0 < 2.0
+        # The bound is the plugin's reaction, from the new kubelet's start to its Register, as the
+        # kubelet recorded them: not the simulator's own stop (its server's grace, its threads' joins)
+        # nor this thread's wake-up, which a loaded machine stretches past 2 s on their own.
+        registered = next(t for t, r in sim.registrations if r == RES and t >= sim.started_at)
+        assert registered - sim.started_at < 2.0
         assert sim.node_status()["allocatable"] == {RES: "1k"}
     # the checkpoint file is the kubelet's: only the simulator wrote it, with the same allocation
     assert (

@@ -278,6 +278,11 @@ class KubeletSimulator:
     def socket(self) -> str:
         return os.path.join(self.dir, KUBELET_SOCKET)
 
+    @property
+    def started_at(self) -> float:
+        """When the last start began (time.monotonic): the kubelet.sock a plugin reacts to is newer."""
+        return self._started_at
+
     def start(self) -> KubeletSimulator:
         """manager.go Start: clean the dir, read the checkpoint back, serve kubelet.sock."""
         os.makedirs(self.dir, exist_ok=True)

@@ -358,14 +358,22 @@ class Registration:
         and remove the renamed file once they stopped serving); remove those of dead instances."""
         others = self._others()
         self._remove_dead(others)
-        for other in self._others():
+        others = self._others()
+        # Our own renames are no news, but what we renamed may already be gone by the next look: the
+        # older instance stands down as soon as it sees the rename. The peers are the names as we left
+        # them, not a listing taken after the renames (that one can miss the .retiring file, and its
+        # removal, the event to register again on, would then never be seen).
+        peers = {s.name for s in others}
+        for other in others:
             if other.instance > sockets.INSTANCE or other.retiring:
                 continue
             path = os.path.join(self.dir, other.name)
             try:
                 os.rename(path, path + sockets.RETIRING)
             except FileNotFoundError:
-                continue
+                continue  # gone meanwhile: kept in the peers, so the next pass sees it went
+            peers.remove(other.name)
+            peers.add(other.name + sockets.RETIRING)
             LOG.info(
                 "took over %s from an older instance: renamed its socket %s (it stands down)",
                 self.name,
@@ -373,7 +381,7 @@ class Registration:
                 extra={"resource": self.name},
             )
         self._taken_over = True
-        self._peers = frozenset(s.name for s in self._others())  # our own renames are no news
+        self._peers = frozenset(peers)
 
     def _stand_down(self, newer: str) -> None:
         LOG.info(
