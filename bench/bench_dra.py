@@ -27,7 +27,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -35,12 +37,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "plugin_src" / "tests"))
 
 import dra_support as ds  # noqa: E402
+import report  # noqa: E402
 
 from rdma_device_plugin.api import dra_v1_pb2 as pb  # noqa: E402
 from rdma_device_plugin.api import dra_v1_pb2_grpc as pb_grpc  # noqa: E402
 
 PLUGIN_END = "<!-- bench_plugin.py output: end -->"
-BEGIN, END = "<!-- bench_dra.py output: begin -->", "<!-- bench_dra.py output: end -->"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -118,8 +120,15 @@ rules:
 """
 
 
-def at_rest(cluster: ds.kube_cluster.Cluster, seconds: float) -> dict[str, int]:
-    """The driver's requests by verb (and resource) while nothing changes, from the audit log."""
+def by_user_agent(event: dict[str, Any]) -> bool:
+    """The driver's requests here (it runs on the admin kubeconfig): by its user agent."""
+    return str(event.get("userAgent", "")).startswith(ds.kubeapi.USER_AGENT)
+
+
+def at_rest(
+    cluster: ds.kube_cluster.Cluster, seconds: float, whose: Callable[[dict[str, Any]], bool] = by_user_agent
+) -> dict[str, int]:
+    """The driver's requests (``whose``) by verb (and resource) while nothing changes, from the audit log."""
     log = cluster.dir / "logs" / "audit.log"
     start = log.stat().st_size
     time.sleep(seconds)
@@ -128,19 +137,19 @@ def at_rest(cluster: ds.kube_cluster.Cluster, seconds: float) -> dict[str, int]:
         fh.seek(start)
         for line in fh:
             event = json.loads(line)
-            if event.get("userAgent", "").startswith(ds.kubeapi.USER_AGENT):
+            if whose(event):
                 ref = event.get("objectRef", {})
                 cached = " (watch cache)" if "resourceVersion=0" in event.get("requestURI", "") else ""
                 seen[event["auditID"]] = f"{event['verb']} {ref.get('resource', '')}{cached}"
     return dict(collections.Counter(seen.values()))
 
 
-def rest_lines(counts: dict[str, int], seconds: float) -> list[str]:
+def rest_lines(counts: dict[str, int], seconds: float, whose: str = "user agent `rdma-device-plugin-dra`") -> list[str]:
     total = sum(counts.values())
     return [
         f"### API requests of the driver at rest ({seconds:.0f} s, one node)",
         "",
-        "Counted in the API server's audit log (user agent `rdma-device-plugin-dra`), nothing changing on the node.",
+        f"Counted in the API server's audit log ({whose}), nothing changing on the node.",
         "",
         "| request | count | per minute |",
         "|---|---|---|",
@@ -269,17 +278,7 @@ def main() -> int:
     text = "\n".join(lines)
     print("\n" + text)
     if args.write_results:
-        path = Path(args.write_results)
-        old = path.read_text() if path.exists() else ""
-        block = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in old:
-            new = old.split(BEGIN)[0] + block + old.split(END, 1)[1]
-        elif PLUGIN_END in old:  # right after the device plugin's figures
-            head, tail = old.split(PLUGIN_END, 1)
-            new = f"{head}{PLUGIN_END}\n\n{block}{tail}"
-        else:
-            new = old.rstrip("\n") + "\n\n" + block + "\n"
-        path.write_text(new)
+        report.write_section(args.write_results, "bench_dra.py", text, after=PLUGIN_END)
     return 0
 
 

@@ -32,7 +32,6 @@ rest window; one real node per machine: do not run it beside make test-node.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import re
@@ -43,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "plugin_src" / "tests"))
 
+import bench_dra  # noqa: E402
 import dra_support as ds  # noqa: E402
+import report  # noqa: E402
 from kube_cluster import Cluster  # noqa: E402
 from real_node import RealNode  # noqa: E402
 
@@ -64,8 +65,6 @@ RELEASE = "rdma"
 SA_USER = "system:serviceaccount:kube-system:rdma-rdma-device-plugin"
 NIC_CLASS = f"nic.{ds.DRIVER}"  # the chart's DeviceClass of a shared NIC
 DRIVER_SELECTOR = "app.kubernetes.io/component=dra-driver"
-BEGIN, END = "<!-- bench_dra_node.py output: begin -->", "<!-- bench_dra_node.py output: end -->"
-AFTER = "<!-- bench_dra.py output: end -->"
 
 AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1
 kind: Policy
@@ -82,6 +81,10 @@ UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
 
 # ------------------------------------------------------------------ figures
+
+
+def row(start: str, figure: str, values: Sequence[float]) -> str:
+    return f"| {start} | {figure} | " + " | ".join(f"{v:.2f}" for v in values) + " |"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -452,18 +455,7 @@ class Bench:
         return prep, unprep
 
     def at_rest(self, seconds: float) -> dict[str, int]:
-        log = self.cluster.dir / "logs" / "audit.log"
-        start = log.stat().st_size
-        time.sleep(seconds)
-        seen: dict[str, str] = {}
-        with log.open(encoding="utf-8") as fh:
-            fh.seek(start)
-            for line in fh:
-                event = json.loads(line)
-                if event.get("user", {}).get("username") == SA_USER:
-                    ref = event.get("objectRef", {})
-                    seen[event["auditID"]] = f"{event['verb']} {ref.get('resource', '')}"
-        return dict(collections.Counter(seen.values()))
+        return bench_dra.at_rest(self.cluster, seconds, lambda e: e.get("user", {}).get("username") == SA_USER)
 
     def down(self) -> None:
         if self.watch is not None:
@@ -530,7 +522,7 @@ def main() -> int:
             bench.down()
             shutil.rmtree(work, ignore_errors=True)
     load1 = os.getloadavg()
-    total = sum(rest.values())
+    (arr_w, arr_c), (rep_c, rep_r) = (list(zip(*arrivals, strict=True)), list(zip(*replaced, strict=True)))
     lines = [
         "## DRA driver on the real node (bench/bench_dra_node.py)",
         "",
@@ -546,27 +538,13 @@ def main() -> int:
         "",
         "| start | figure | " + " | ".join(str(i + 1) for i in range(args.starts)) + " |",
         "|---|---|" + "---|" * args.starts,
-        "| the driver arrives (node label set, no slices) | process start -> both slices in the API | "
-        + " | ".join(f"{w:.2f}" for w, _ in arrivals)
-        + " |",
-        "| the driver arrives | process start -> the kubelet connected to it | "
-        + " | ".join(f"{c:.2f}" for _, c in arrivals)
-        + " |",
-        "| the driver's pod replaced (slices stay) | process start -> the kubelet connected to it | "
-        + " | ".join(f"{c:.2f}" for c, _ in replaced)
-        + " |",
-        "| the driver's pod replaced | process start -> pod Ready (readiness probe every 5 s) | "
-        + " | ".join(f"{r:.2f}" for _, r in replaced)
-        + " |",
-        "| kubelet restart | kubelet start -> its wipe of the node's slices | "
-        + " | ".join(f"{w:.2f}" for w, _ in restarts)
-        + " |",
-        "| kubelet restart | kubelet start -> both slices written anew | "
-        + " | ".join(f"{a:.2f}" for _, a in restarts)
-        + " |",
-        "| kubelet restart | the wipe -> both slices written anew (the driver's part) | "
-        + " | ".join(f"{a - w:.2f}" for w, a in restarts)
-        + " |",
+        row("the driver arrives (node label set, no slices)", "process start -> both slices in the API", arr_w),
+        row("the driver arrives", "process start -> the kubelet connected to it", arr_c),
+        row("the driver's pod replaced (slices stay)", "process start -> the kubelet connected to it", rep_c),
+        row("the driver's pod replaced", "process start -> pod Ready (readiness probe every 5 s)", rep_r),
+        row("kubelet restart", "kubelet start -> its wipe of the node's slices", [w for w, _ in restarts]),
+        row("kubelet restart", "kubelet start -> both slices written anew", [a for _, a in restarts]),
+        row("kubelet restart", "the wipe -> both written anew (the driver's part)", [a - w for w, a in restarts]),
         "",
         "### NodePrepareResources / NodeUnprepareResources as the kubelet calls them (ms)",
         "",
@@ -586,29 +564,12 @@ def main() -> int:
             f"{len(prep)} claims prepared and unprepared."
         ),
         "",
-        f"### API requests of the driver at rest ({args.rest_seconds:.0f} s)",
-        "",
-        f"Counted in the API server's audit log (user `{SA_USER}`), nothing changing on the node.",
-        "",
-        "| request | count | per minute |",
-        "|---|---|---|",
-        *(f"| {k} | {v} | {v * 60 / args.rest_seconds:.2f} |" for k, v in sorted(rest.items())),
-        f"| all | {total} | {total * 60 / args.rest_seconds:.2f} |",
+        *bench_dra.rest_lines(rest, args.rest_seconds, f"user `{SA_USER}`"),
     ]
     text = "\n".join(lines)
     print("\n" + text)
     if args.write_results:
-        path = Path(args.write_results)
-        old = path.read_text() if path.exists() else ""
-        block = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in old:
-            new = old.split(BEGIN)[0] + block + old.split(END, 1)[1]
-        elif AFTER in old:
-            head, tail = old.split(AFTER, 1)
-            new = f"{head}{AFTER}\n\n{block}{tail}"
-        else:
-            new = old.rstrip("\n") + "\n\n" + block + "\n"
-        path.write_text(new)
+        report.write_section(args.write_results, "bench_dra_node.py", text, after="<!-- bench_dra.py output: end -->")
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 # Columns that name a row rather than measure something.
 KEY_COLUMNS = {"callers", "RPC", "NICs", "shared devices", "what"}
@@ -108,6 +109,22 @@ def write_results(path: str, lines: Sequence[str]) -> None:
         body = head + body + rest.split(END, 1)[1]
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(body if body.endswith("\n") else body + "\n")
+
+
+def write_section(path: str, name: str, text: str, after: str = "") -> None:
+    """Put ``text`` between ``name``'s output markers in ``path``: in their place when the file has
+    them, else right after the marker ``after`` (another bench's end), else at the end."""
+    begin, end = f"<!-- {name} output: begin -->", f"<!-- {name} output: end -->"
+    old = Path(path).read_text(encoding="utf-8") if os.path.exists(path) else ""
+    block = f"{begin}\n{text}\n{end}"
+    if begin in old and end in old:
+        new = old.split(begin)[0] + block + old.split(end, 1)[1]
+    elif after and after in old:
+        head, tail = old.split(after, 1)
+        new = f"{head}{after}\n\n{block}{tail}"
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    Path(path).write_text(new, encoding="utf-8")
 
 
 def plot(samples: Mapping[str, Mapping[str, Sequence[float]]], path: str, title: str = "") -> None:
