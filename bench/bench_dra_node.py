@@ -22,7 +22,7 @@ bench/bench_dra.py gives the same figures on the kubelet-managers stand-in.
 - the driver's memory (VmRSS, VmHWM, threads of its process) after those;
 - the driver's API requests at rest, from the API server's audit log (its ServiceAccount's user).
 
-    .venv/bin/python bench/bench_dra_node.py [--pods 100] [--starts 5] [--rest-seconds 330] \\
+    .venv/bin/python bench/bench_dra_node.py [--pods 100] [--batch 10] [--starts 5] [--rest-seconds 330] \\
         [--write-results bench/RESULTS.md]
 
 Needs what make node-up needs (make setup system-deps kube; root). Takes about 10 minutes and the
@@ -419,7 +419,7 @@ class Bench:
             if any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
         )
 
-    def prepares(self, pods: int, batch: int = 50) -> tuple[list[float], list[float]]:
+    def prepares(self, pods: int, batch: int) -> tuple[list[float], list[float]]:
         template = {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaimTemplate",
@@ -490,7 +490,8 @@ def pod_manifest(name: str, image: str) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pods", type=int, default=100, help="pods with one claim each (50 at a time)")
+    ap.add_argument("--pods", type=int, default=100, help="pods with one claim each")
+    ap.add_argument("--batch", type=int, default=10, help="pods created at once (then deleted) until --pods")
     ap.add_argument("--starts", type=int, default=5)
     ap.add_argument("--rest-seconds", type=float, default=330.0, help="the window at rest (a watch lasts 300 s)")
     ap.add_argument("--write-results", metavar="FILE")
@@ -509,7 +510,7 @@ def main() -> int:
         print(f"[4/6] kubelet restarts x{args.starts}", flush=True)
         restarts = bench.kubelet_restarts(args.starts)
         print(f"[5/6] {args.pods} claim pods prepared and unprepared by the kubelet", flush=True)
-        prep, unprep = bench.prepares(args.pods)
+        prep, unprep = bench.prepares(args.pods, args.batch)
         pid = driver_pids()[0]
         rss, hwm, threads = status_kb(pid, "VmRSS"), status_kb(pid, "VmHWM"), status_kb(pid, "Threads")
         anon, files = status_kb(pid, "RssAnon"), status_kb(pid, "RssFile")
@@ -527,7 +528,8 @@ def main() -> int:
         "## DRA driver on the real node (bench/bench_dra_node.py)",
         "",
         (
-            f"Command: `.venv/bin/python bench/bench_dra_node.py --pods {args.pods} --starts {args.starts} "
+            f"Command: `.venv/bin/python bench/bench_dra_node.py --pods {args.pods} --batch {args.batch} "
+            f"--starts {args.starts} "
             f"--rest-seconds {args.rest_seconds:.0f}`; load average {load0[0]:.2f} at start, {load1[0]:.2f} at the "
             "end (2 cores). Kubernetes v1.37.2: the control plane and a real node (kubelet, containerd, runc of "
             "scripts/real_node.py) with the fixture Lingjun node (4 bonded NICs); the chart with `driver=dra`, "
@@ -548,8 +550,9 @@ def main() -> int:
         "",
         "### NodePrepareResources / NodeUnprepareResources as the kubelet calls them (ms)",
         "",
-        "One claim per pod and call; the kubelet's own log (`--vmodule=dra_plugin=4`) stamps the call and",
-        "its answer. A prepare reads the claim from the API server and writes a CDI spec and a record.",
+        f"One claim per pod and call, {args.batch} pods created at once; the kubelet's own log",
+        "(`--vmodule=dra_plugin=4`) stamps the call and its answer. A prepare reads the claim and its pod",
+        "from the API server and writes a CDI spec and a record.",
         "",
         "| call | calls | p50 | p99 | max |",
         "|---|---|---|---|---|",
