@@ -13,6 +13,7 @@ import base64
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -1297,6 +1298,56 @@ def test_records_survive_a_restart_are_dropped_by_a_reboot_and_orphans_are_colle
         assert (exclusive.cdi_dir / f"{DRIVER}-claim_{kept}.json").stat().st_mtime_ns != mtime
     finally:
         _unprepare(exclusive, kept, "kept")
+
+
+def test_two_instances_share_the_records_on_disk(
+    api: Api, cluster: kube_cluster.Cluster, exclusive: DraNode, objs: Objects, tmp_path: Path
+) -> None:
+    """A rolling update runs two instances of the driver on the node, over one records dir and one CDI
+    dir, under one serialization lock; the kubelet may call either. What one prepares the other's
+    collector never takes for an orphan (the real node's rollout lost a claim's CDI spec so: containerd
+    "unresolvable CDI devices"), the other refuses a conflicting view of it by name, and unprepares it.
+    Two Claims of the driver in this process, each with its own SerializeLock on the same file."""
+    from rdma_device_plugin.config import load_config
+    from rdma_device_plugin.dra.claims import ClaimError, Claims
+    from rdma_device_plugin.dra.inventory import Inventory
+    from rdma_device_plugin.dra.kubeletplugin import SerializeLock
+
+    config = load_config(str(exclusive.config))
+    nics = NodeInventory(config, exclusive.fixture.sysfs, exclusive.fixture.dev)
+    nics.full()
+    inventory = Inventory(config, exclusive.fixture.sysfs)
+    published = model.build(
+        DRIVER, exclusive.name, config.mode, inventory.resources(), inventory.views(nics), inventory.unhealthy_since
+    )
+
+    def instance() -> Claims:
+        lock = SerializeLock(str(tmp_path / "serialize.lock"))
+        client = kubeapi.Client(kubeapi.from_kubeconfig(str(cluster.kubeconfig)))
+        args = (str(tmp_path / "state"), str(tmp_path / "cdi"), lambda: published, nics)
+        return Claims(client, DRIVER, exclusive.name, *args, node_lock=lock.held)
+
+    old, new = instance(), instance()  # the new one started before the old one prepares
+    objs.claim("two-a", request("nic", EXCLUSIVE))
+    _write_allocation(api, "two-a", exclusive, _device(api, exclusive, "mlx5_bond_0", "exclusive"))
+    objs.claim("two-b", request("nic", EXCLUSIVE))  # the same NIC: written as an admin could
+    _write_allocation(api, "two-b", exclusive, _device(api, exclusive, "mlx5_bond_0", "exclusive"))
+    a, b = (api.claim(n)["metadata"]["uid"] for n in ("two-a", "two-b"))
+    spec = tmp_path / "cdi" / f"{DRIVER}-claim_{a}.json"
+    old.prepare("default", a, "two-a")
+    assert spec.exists()
+    assert new.collect() == 0
+    assert spec.exists(), "the new instance's collector removed a claim the old one prepared"
+    assert set(new.prepared()) == {a}
+    with pytest.raises(ClaimError, match=re.escape(f"already prepared for claim default/two-a (UID {a})")):
+        new.prepare("default", b, "two-b")
+    new.unprepare("default", a, "two-a")
+    assert not spec.exists() and not (tmp_path / "state" / "claims" / f"{a}.json").exists()
+    assert old.collect() == 0 and old.prepared() == {}  # the old one's view follows the disk
+    new.prepare("default", b, "two-b")  # the NIC is free again
+    assert old.collect() == 0 and set(old.prepared()) == {b}
+    old.unprepare("default", b, "two-b")
+    assert new.collect() == 0 and new.prepared() == {}
 
 
 def test_the_orphan_collector_skips_fresh_claims_and_reads_the_watch_cache(

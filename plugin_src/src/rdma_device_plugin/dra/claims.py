@@ -148,6 +148,7 @@ class Claims:
         published: Callable[[], Published],
         nics: NodeInventory,
         boot_id: str = "",
+        node_lock: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
     ) -> None:
         self.client = client
         self.driver = driver
@@ -162,31 +163,72 @@ class Claims:
         self._prepared: dict[str, dict[str, Any]] = {}
         self._fresh: set[str] = set()  # claims prepared since the orphan collector's last pass
         self._pod_nics: dict[str, list[tuple[list[str], frozenset[str], frozenset[tuple[str, str]]]]] = {}
+        # The node's serialization lock (kubeletplugin.SerializeLock: every prepare and unprepare of every
+        # instance of the driver on the node holds it), for what decides on files another instance may be
+        # writing. The records on disk are the one truth: during a rolling update two instances prepare
+        # and unprepare beside each other, so each call reads again what changed there (_sync).
+        self._node_lock = node_lock or contextlib.nullcontext
+        self._seen: dict[str, tuple[int, int, int]] = {}  # record file -> (inode, mtime, size) as last read
         os.makedirs(self.records_dir, exist_ok=True)
-        for entry in sorted(os.listdir(self.records_dir)):
-            path = os.path.join(self.records_dir, entry)
-            if entry.startswith(".tmp-"):  # a write cut short
-                _remove(path)
-                continue
-            if not entry.endswith(".json"):
-                continue
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    rec = json.load(fh)
-                uid = str(rec["uid"])
-                check_uid(uid)
-            except (OSError, ValueError, KeyError, ClaimError) as exc:
-                LOG.warning("unreadable prepared-claim record ignored", extra={"file": entry, "error": str(exc)})
-                continue
-            # A reboot: the kubelet prepares its pods' claims again; nothing of the old boot holds (a
-            # record written before boots were kept counts as this boot's).
-            if boot_id and rec.get("boot", boot_id) != boot_id:
-                _remove(cdi_file(cdi_dir, driver, uid))
-                _remove(path)
-                LOG.info("prepared claim of an earlier boot dropped", extra={"uid": uid, "boot": rec.get("boot")})
-                continue
-            self._prepared[uid] = rec
-        self._collect_files()
+        with self._node_lock():
+            for entry in os.listdir(self.records_dir):
+                if entry.startswith(".tmp-"):  # a write cut short
+                    _remove(os.path.join(self.records_dir, entry))
+            self._sync()
+            self._fresh.clear()  # found at the start: asked about at the first pass
+            self._collect_files()
+
+    def _read_record(self, entry: str) -> dict[str, Any] | None:
+        """A record file of this boot, or None (unreadable: said; of an earlier boot: dropped with its spec)."""
+        path = os.path.join(self.records_dir, entry)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                rec = json.load(fh)
+            uid = str(rec["uid"])
+            check_uid(uid)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, ClaimError) as exc:
+            LOG.warning("unreadable prepared-claim record ignored", extra={"file": entry, "error": str(exc)})
+            return None
+        # A reboot: the kubelet prepares its pods' claims again; nothing of the old boot holds (a
+        # record written before boots were kept counts as this boot's).
+        if self.boot_id and rec.get("boot", self.boot_id) != self.boot_id:
+            _remove(cdi_file(self.cdi_dir, self.driver, uid))
+            _remove(path)
+            LOG.info("prepared claim of an earlier boot dropped", extra={"uid": uid, "boot": rec.get("boot")})
+            return None
+        return dict(rec)
+
+    def _sync(self) -> None:
+        """The records as the node's disk has them: files another instance wrote or removed since the
+        last read are read again or forgotten (a stat per record; a changed one is parsed)."""
+        try:
+            entries = [e for e in os.listdir(self.records_dir) if e.endswith(".json") and not e.startswith(".tmp-")]
+        except FileNotFoundError:
+            entries = []
+        with self._lock:
+            seen: dict[str, tuple[int, int, int]] = {}
+            for entry in entries:
+                try:
+                    st = os.stat(os.path.join(self.records_dir, entry))
+                except FileNotFoundError:
+                    continue
+                sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+                uid = entry[: -len(".json")]
+                if self._seen.get(entry) != sig or uid not in self._prepared:
+                    rec = self._read_record(entry)
+                    if rec is None:
+                        self._prepared.pop(uid, None)
+                        continue
+                    if self._prepared.get(uid) != rec:
+                        self._fresh.add(uid)  # prepared by another instance: asked about from the next pass
+                    self._prepared[uid] = rec
+                seen[entry] = sig
+            for uid in [u for u in self._prepared if f"{u}.json" not in seen]:
+                del self._prepared[uid]  # unprepared (or collected) by another instance
+                self._fresh.discard(uid)
+            self._seen = seen
 
     def prepared(self) -> dict[str, dict[str, Any]]:
         with self._lock:
@@ -217,6 +259,7 @@ class Claims:
     def prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
         check_uid(uid)
         with self._serialized(uid):
+            self._sync()
             return self._prepare(namespace, uid, name)
 
     def _prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
@@ -271,6 +314,7 @@ class Claims:
             _write_json(path, spec)
             _write_json(os.path.join(self.records_dir, f"{uid}.json"), rec)
             self._prepared[uid] = rec
+            self._seen.pop(f"{uid}.json", None)  # read back by the next _sync (cheap: one record)
             self._fresh.add(uid)
         LOG.info(
             "claim prepared",
@@ -471,6 +515,7 @@ class Claims:
     def unprepare(self, namespace: str, uid: str, name: str) -> None:
         check_uid(uid)
         with self._serialized(uid):
+            self._sync()
             self._drop(uid)
         LOG.info("claim unprepared", extra={"claim": f"{namespace}/{name}", "uid": uid})
 
@@ -480,6 +525,7 @@ class Claims:
             self._fresh.discard(uid)
             _remove(rec["cdi"] if rec else cdi_file(self.cdi_dir, self.driver, uid))
             _remove(os.path.join(self.records_dir, f"{uid}.json"))
+            self._seen.pop(f"{uid}.json", None)
 
     # ------------------------------------------------------------------ orphans
 
@@ -528,24 +574,30 @@ class Claims:
         GET from the API server's watch cache, and only a claim that looks gone there is read again
         from etcd before its record is dropped (a watch cache may lag behind the prepare's read)."""
         dropped = 0
+        with self._node_lock():
+            self._sync()
         with self._lock:
             skip, self._fresh = self._fresh, set()
         for uid, rec in sorted(self.prepared().items()):
             if uid in skip:
                 continue
-            with self._serialized(uid):
-                if uid not in self.prepared():
-                    continue  # unprepared meanwhile
-                try:
-                    held, claim = self._holds(uid, rec, cached=True)
-                    if not held:
-                        held, claim = self._holds(uid, rec, cached=False)
-                except kubeapi.ApiError as exc:
-                    LOG.warning("orphan check skipped", extra={"uid": uid, "error": str(exc)})
-                    continue
-                if held:
-                    continue
+            try:
+                held, claim = self._holds(uid, rec, cached=True)
+                if not held:
+                    held, claim = self._holds(uid, rec, cached=False)
+            except kubeapi.ApiError as exc:
+                LOG.warning("orphan check skipped", extra={"uid": uid, "error": str(exc)})
+                continue
+            if held:
+                continue
+            # The node lock first, then the claim's: the order of a prepare (the service holds the node's).
+            with self._node_lock(), self._serialized(uid):
+                self._sync()
+                if self.prepared().get(uid) != rec:
+                    continue  # unprepared meanwhile, here or by another instance
                 self._drop_orphan(uid, rec, claim)
                 dropped += 1
-        self._collect_files()
+        with self._node_lock():
+            self._sync()
+            self._collect_files()
         return dropped

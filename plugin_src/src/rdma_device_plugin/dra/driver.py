@@ -35,7 +35,7 @@ from ..supervision import remove_health, write_health
 from . import kubeapi, model, version
 from .claims import Claims, read_boot_id
 from .inventory import Inventory
-from .kubeletplugin import Instances, Paths, instance_uid
+from .kubeletplugin import Instances, Paths, SerializeLock, instance_uid
 from .publisher import Publisher
 from .service import DeviceHealth, HealthFeed, KubeletService
 from .stats import RequestStats
@@ -83,12 +83,22 @@ class Driver:
         )
         state_dir = args.state_dir or os.path.join(args.kubelet_dir, "plugins", self.driver)
         boot_id = read_boot_id(args.procfs_root)
+        # One node-wide lock: every instance's prepares and unprepares, and what the claims collect.
+        self.node_lock = SerializeLock(self.paths.lock)
         self.claims = Claims(
-            client, self.driver, self.node, state_dir, args.cdi_dir, self.published, self.nics, boot_id
+            client,
+            self.driver,
+            self.node,
+            state_dir,
+            args.cdi_dir,
+            self.published,
+            self.nics,
+            boot_id,
+            node_lock=self.node_lock.held,
         )
         self.stats = RequestStats()
         self.service = KubeletService(
-            self.driver, self.paths, self.claims, self.feed, self._registered, stats=self.stats
+            self.driver, self.paths, self.claims, self.feed, self._registered, stats=self.stats, lock=self.node_lock
         )
         self.metrics: Any = None  # .metrics.Metrics while serving them (--metrics-address)
         self.stop_event = threading.Event()

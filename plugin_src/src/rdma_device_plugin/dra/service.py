@@ -236,6 +236,7 @@ class KubeletService:
         on_registered: Any = None,
         resend: float = 20.0,
         stats: RequestStats | None = None,
+        lock: SerializeLock | None = None,
     ) -> None:
         self.driver = driver
         self.paths = paths
@@ -251,7 +252,7 @@ class KubeletService:
             if on_registered is not None:
                 on_registered(ok)
 
-        self.lock = SerializeLock(paths.lock)
+        self.lock = lock or SerializeLock(paths.lock)
         self._dra = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dra"))
         v1_grpc.add_DRAPluginServicer_to_server(_PrepareV1(backend, v1, True, stats, self.lock), self._dra)
         v1beta1_grpc.add_DRAPluginServicer_to_server(
