@@ -1300,6 +1300,24 @@ def test_records_survive_a_restart_are_dropped_by_a_reboot_and_orphans_are_colle
         _unprepare(exclusive, kept, "kept")
 
 
+def _claims_in_process(node: DraNode, client: kubeapi.Client, tmp_path: Path, node_lock: Any = None) -> Any:
+    """The driver's Claims in the test process, over ``node``'s NICs (its config and fixture), with
+    its state and CDI dirs under ``tmp_path``."""
+    from rdma_device_plugin.config import load_config
+    from rdma_device_plugin.dra.claims import Claims
+    from rdma_device_plugin.dra.inventory import Inventory
+
+    config = load_config(str(node.config))
+    nics = NodeInventory(config, node.fixture.sysfs, node.fixture.dev)
+    nics.full()
+    inventory = Inventory(config, node.fixture.sysfs)
+    published = model.build(
+        DRIVER, node.name, config.mode, inventory.resources(), inventory.views(nics), inventory.unhealthy_since
+    )
+    state, cdi = str(tmp_path / "state"), str(tmp_path / "cdi")
+    return Claims(client, DRIVER, node.name, state, cdi, lambda: published, nics, node_lock=node_lock)
+
+
 def test_two_instances_share_the_records_on_disk(
     api: Api, cluster: kube_cluster.Cluster, exclusive: DraNode, objs: Objects, tmp_path: Path
 ) -> None:
@@ -1308,24 +1326,12 @@ def test_two_instances_share_the_records_on_disk(
     collector never takes for an orphan (the real node's rollout lost a claim's CDI spec so: containerd
     "unresolvable CDI devices"), the other refuses a conflicting view of it by name, and unprepares it.
     Two Claims of the driver in this process, each with its own SerializeLock on the same file."""
-    from rdma_device_plugin.config import load_config
-    from rdma_device_plugin.dra.claims import ClaimError, Claims
-    from rdma_device_plugin.dra.inventory import Inventory
+    from rdma_device_plugin.dra.claims import ClaimError
     from rdma_device_plugin.dra.kubeletplugin import SerializeLock
 
-    config = load_config(str(exclusive.config))
-    nics = NodeInventory(config, exclusive.fixture.sysfs, exclusive.fixture.dev)
-    nics.full()
-    inventory = Inventory(config, exclusive.fixture.sysfs)
-    published = model.build(
-        DRIVER, exclusive.name, config.mode, inventory.resources(), inventory.views(nics), inventory.unhealthy_since
-    )
-
-    def instance() -> Claims:
-        lock = SerializeLock(str(tmp_path / "serialize.lock"))
+    def instance() -> Any:
         client = kubeapi.Client(kubeapi.from_kubeconfig(str(cluster.kubeconfig)))
-        args = (str(tmp_path / "state"), str(tmp_path / "cdi"), lambda: published, nics)
-        return Claims(client, DRIVER, exclusive.name, *args, node_lock=lock.held)
+        return _claims_in_process(exclusive, client, tmp_path, SerializeLock(str(tmp_path / "serialize.lock")).held)
 
     old, new = instance(), instance()  # the new one started before the old one prepares
     objs.claim("two-a", request("nic", EXCLUSIVE))
@@ -1358,10 +1364,6 @@ def test_the_orphan_collector_skips_fresh_claims_and_reads_the_watch_cache(
     one that is gone there is read again from etcd (a quorum read) before its record is dropped. The
     driver's own Claims in this process, on the exclusive node's NICs, its GETs recorded. An orphan in
     the way of a new claim's prepare is checked and dropped right then."""
-    from rdma_device_plugin.config import load_config
-    from rdma_device_plugin.dra.claims import Claims
-    from rdma_device_plugin.dra.inventory import Inventory
-
     gets: list[tuple[str, dict[str, str]]] = []
 
     class Recording(kubeapi.Client):
@@ -1369,22 +1371,7 @@ def test_the_orphan_collector_skips_fresh_claims_and_reads_the_watch_cache(
             gets.append((path.rsplit("/", 1)[-1], dict(query or {})))
             return super().get(path, query)
 
-    config = load_config(str(exclusive.config))
-    nics = NodeInventory(config, exclusive.fixture.sysfs, exclusive.fixture.dev)
-    nics.full()
-    inventory = Inventory(config, exclusive.fixture.sysfs)
-    published = model.build(
-        DRIVER, exclusive.name, config.mode, inventory.resources(), inventory.views(nics), inventory.unhealthy_since
-    )
-    claims = Claims(
-        Recording(kubeapi.from_kubeconfig(str(cluster.kubeconfig))),
-        DRIVER,
-        exclusive.name,
-        str(tmp_path / "state"),
-        str(tmp_path / "cdi"),
-        lambda: published,
-        nics,
-    )
+    claims = _claims_in_process(exclusive, Recording(kubeapi.from_kubeconfig(str(cluster.kubeconfig))), tmp_path)
     names = {"orph-old": "mlx5_bond_0", "orph-gone": "mlx5_bond_1", "orph-new": "mlx5_bond_2"}
     for name, nic in names.items():
         objs.claim(name, request("nic", EXCLUSIVE))
