@@ -12,6 +12,7 @@ for f in "${scenarios[@]}"; do
   if ! molecule test -s "$s"; then failed+=("$s"); fi
 done
 mkdir -p out/test-results
-echo "passed=$(( ${#scenarios[@]} - ${#failed[@]} )) failed=${#failed[@]}" > out/test-results/molecule.txt
+names=$(IFS=,; echo "${failed[*]}")
+echo "passed=$(( ${#scenarios[@]} - ${#failed[@]} )) failed=${#failed[@]} names=$names" > out/test-results/molecule.txt
 if [[ ${#failed[@]} -gt 0 ]]; then echo "molecule scenarios failed: ${failed[*]}" >&2; exit 1; fi
 echo "molecule: ${#scenarios[@]} scenarios passed"
