@@ -10,6 +10,7 @@ One cluster per module (about 20 s to start); every test deletes what it created
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -1053,8 +1054,8 @@ def test_prepare_refuses_a_nic_prepared_for_another_claim_in_a_conflicting_view(
 
 
 def test_a_cached_answer_only_for_the_same_allocation(api: Api, exclusive: DraNode, objs: Objects) -> None:
-    """Concurrent prepares of one claim write it once (the node-wide serialize.lock runs them one at a
-    time); deallocated and allocated again under the same UID, prepare answers the new allocation."""
+    """Concurrent prepares of one claim write it once (the claim's lock runs them one at a time);
+    deallocated and allocated again under the same UID, prepare answers the new allocation."""
     objs.claim("realloc", request("nic", EXCLUSIVE))
     first, second = (_device(api, exclusive, nic, "exclusive") for nic in ("mlx5_bond_0", "mlx5_bond_1"))
     _write_allocation(api, "realloc", exclusive, first)
@@ -1099,15 +1100,33 @@ def _waiting_in(thread: threading.Thread, function: str) -> bool:
 def test_calls_for_one_claim_wait_for_each_other_and_not_for_other_claims(
     api: Api, cluster: kube_cluster.Cluster, objs: Objects, tmp_path: Path
 ) -> None:
-    """The lock per claim, with the calls overlapping for real: the kubelet's calls take the node-wide
-    serialize.lock, but the orphan collector calls beside them, so :class:`Claims` keeps one call per
-    claim itself. A prepare of claim A held inside the driver (its read of the claim, from the real API
-    server, waits for the test): a second call for A waits for it, a call for claim B does not."""
+    """The lock per claim, with the calls overlapping for real, and the node-wide serialize.lock held
+    only where a call decides on files (issue 38: ten pods at once queued behind each other's API
+    reads). A prepare of claim A held inside the driver (its read of the claim, from the real API
+    server, waits for the test): a second call for A waits for it, a call for claim B does not, with
+    the node's lock as the driver takes it."""
     from rdma_device_plugin.dra.claims import ClaimError, Claims
+    from rdma_device_plugin.dra.kubeletplugin import SerializeLock
 
     objs.claim("lock-a", request("nic", NIC))
     objs.claim("lock-b", request("nic", NIC))
     uid = {n: api.claim(n)["metadata"]["uid"] for n in ("lock-a", "lock-b")}
+    # B allocated (as an admin would) on another node: its prepare takes the node lock to look for a
+    # record, then refuses the devices of another node.
+    b = api.claim("lock-b")
+    b["status"] = {
+        "allocation": {"devices": {"results": [dict(request="nic", driver=DRIVER, pool="elsewhere", device="x")]}}
+    }
+    api.client.update("/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/lock-b/status", b)
+    node_lock = SerializeLock(str(tmp_path / "serialize.lock"))
+    taken: list[str] = []
+
+    @contextlib.contextmanager
+    def held() -> Iterator[None]:
+        with node_lock.held():
+            taken.append(threading.current_thread().name)
+            yield
+
     entered: list[str] = []  # the claims the driver read, in order; "released" when the test let A go
     release = threading.Event()
 
@@ -1127,7 +1146,9 @@ def test_calls_for_one_claim_wait_for_each_other_and_not_for_other_claims(
         str(tmp_path / "cdi"),
         lambda: model.build(DRIVER, "nowhere", "shared", [], [], {}),
         NodeInventory(load_config_data({"version": "v1"}), str(tmp_path), str(tmp_path)),  # no NIC: never read
+        node_lock=held,
     )
+    taken.clear()  # the start's
     answers: dict[str, list[str]] = {}
 
     def prepare(name: str) -> None:
@@ -1136,18 +1157,20 @@ def test_calls_for_one_claim_wait_for_each_other_and_not_for_other_claims(
         except ClaimError as exc:  # not allocated: what a read of these claims answers
             answers.setdefault(name, []).append(str(exc))
 
-    first = threading.Thread(target=prepare, args=("lock-a",))
+    first = threading.Thread(target=prepare, args=("lock-a",), name="a1")
     first.start()
     wait_for("the first prepare of lock-a held in its read", lambda: entered == ["lock-a"])
-    second = threading.Thread(target=prepare, args=("lock-a",))
+    second = threading.Thread(target=prepare, args=("lock-a",), name="a2")
     second.start()
     # Either through to its read (no lock) or blocked in the claim's lock: then it cannot get through.
     wait_for("the second call in", lambda: entered.count("lock-a") == 2 or _waiting_in(second, "_serialized"))
-    other = threading.Thread(target=prepare, args=("lock-b",))
+    other = threading.Thread(target=prepare, args=("lock-b",), name="b")
     other.start()
     other.join(timeout=120)
-    assert not other.is_alive() and answers["lock-b"] == ["claim default/lock-b is not allocated"]
-    assert entered == ["lock-a", "lock-b"] and second.is_alive()  # B went by; A's second call waits
+    assert not other.is_alive()
+    assert answers["lock-b"] == [f"claim default/lock-b: devices ['elsewhere/x'] of {DRIVER} are not on node nowhere"]
+    # B went by, through the node lock, while A holds in its API read; A's second call waits.
+    assert entered == ["lock-a", "lock-b"] and taken == ["b"] and second.is_alive()
     entered.append("released")
     release.set()
     first.join(timeout=120)
@@ -1465,12 +1488,12 @@ def test_device_names_and_alignment_do_not_move_when_the_kernel_renames_nics(
         assert env["RDMA_DEVICES"] == "mlx5_bond_2" and sorted(nodes) == sorted(nodes_before)
     finally:
         _reboot_with(exclusive, spec)
-        wait_for(
-            "the slices of the original names",
-            lambda: (
-                attr(slice_devices(complete(api.slices(exclusive.name)) or [])[device], "rdmaDevice") == "mlx5_bond_0"
-            ),
-        )
+
+        def original() -> bool:  # the pool is incomplete for a moment while the new instance writes it
+            now = slice_devices(complete(api.slices(exclusive.name)) or [])
+            return device in now and attr(now[device], "rdmaDevice") == "mlx5_bond_0"
+
+        wait_for("the slices of the original names", original)
 
 
 def test_a_61_character_resource_name_makes_slices_the_api_accepts(api: Api, shared: DraNode) -> None:

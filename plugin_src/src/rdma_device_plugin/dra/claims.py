@@ -14,7 +14,9 @@ earlier boot is dropped at start, its CDI spec with it) and a digest of the clai
 prepare called again (a kubelet restart, a retry) gets the same answer, without writing anything,
 while the allocation is the same; an allocation rewritten since is prepared anew. Unprepare removes
 the CDI spec and that record, and succeeds for a claim it does not know (called again, or never
-prepared here). Calls for one claim run one at a time.
+prepared here). Calls for one claim run one at a time; the node's serialization lock (every
+instance's) is held only around the records' re-read, the conflict check and the writes, so the API
+reads of simultaneous prepares run side by side.
 
 The last line of defence: the scheduler's counters keep an exclusive view of a NIC apart from its
 shared and set views, but an allocation written around the scheduler (by an admin, a bug, a stale
@@ -259,8 +261,19 @@ class Claims:
     def prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
         check_uid(uid)
         with self._serialized(uid):
-            self._sync()
             return self._prepare(namespace, uid, name)
+
+    def _cached(self, uid: str, digest: str) -> list[PreparedDevice] | None:
+        """The answer already prepared for this allocation of the claim, here or by another instance
+        (call under the node lock: the records as the disk has them)."""
+        self._sync()
+        with self._lock:
+            rec = self._prepared.get(uid)
+        if rec is not None and rec.get("allocation") == digest and os.path.exists(rec["cdi"]):
+            return [PreparedDevice(**d) for d in rec["devices"]]
+        if rec is not None and rec.get("allocation", digest) != digest:
+            LOG.warning("claim's allocation changed since it was prepared: prepared anew", extra={"uid": uid})
+        return None
 
     def _prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
         where = f"claim {namespace}/{name}"
@@ -277,12 +290,13 @@ class Claims:
         if not allocation:
             raise ClaimError(f"{where} is not allocated")
         digest = allocation_digest(allocation)
-        with self._lock:
-            rec = self._prepared.get(uid)
-        if rec is not None and rec.get("allocation") == digest and os.path.exists(rec["cdi"]):
-            return [PreparedDevice(**d) for d in rec["devices"]]
-        if rec is not None and rec.get("allocation", digest) != digest:
-            LOG.warning("claim's allocation changed since it was prepared: prepared anew", extra={"claim": where})
+        # The node lock only where the call decides on files (the records, the conflict check, the
+        # writes); the API reads and the spec's build run beside other calls (issue 38: ten pods at once
+        # queued behind each other's GETs). The claim's own lock keeps one call per claim in this process.
+        with self._node_lock():
+            cached = self._cached(uid, digest)
+        if cached is not None:
+            return cached
         results = [
             r
             for r in (allocation.get("devices") or {}).get("results") or []
@@ -308,14 +322,18 @@ class Claims:
             "allocation": digest,
             "boot": self.boot_id,
         }
-        self._collect_in_the_way(uid, held)
-        with self._lock:  # the check and the write it allows, as one step against other claims
-            self._refuse_conflicts(where, uid, held)
-            _write_json(path, spec)
-            _write_json(os.path.join(self.records_dir, f"{uid}.json"), rec)
-            self._prepared[uid] = rec
-            self._seen.pop(f"{uid}.json", None)  # read back by the next _sync (cheap: one record)
-            self._fresh.add(uid)
+        with self._node_lock():
+            cached = self._cached(uid, digest)  # prepared meanwhile by another instance (a rolling update)
+            if cached is not None:
+                return cached
+            self._collect_in_the_way(uid, held)
+            with self._lock:  # the check and the write it allows, as one step against other claims
+                self._refuse_conflicts(where, uid, held)
+                _write_json(path, spec)
+                _write_json(os.path.join(self.records_dir, f"{uid}.json"), rec)
+                self._prepared[uid] = rec
+                self._seen.pop(f"{uid}.json", None)  # read back by the next _sync (cheap: one record)
+                self._fresh.add(uid)
         LOG.info(
             "claim prepared",
             extra={"claim": f"{namespace}/{name}", "uid": uid, "devices": [d.device for d in devices], "cdi": path},
@@ -514,7 +532,7 @@ class Claims:
 
     def unprepare(self, namespace: str, uid: str, name: str) -> None:
         check_uid(uid)
-        with self._serialized(uid):
+        with self._serialized(uid), self._node_lock():
             self._sync()
             self._drop(uid)
         LOG.info("claim unprepared", extra={"claim": f"{namespace}/{name}", "uid": uid})
@@ -590,8 +608,8 @@ class Claims:
                 continue
             if held:
                 continue
-            # The node lock first, then the claim's: the order of a prepare (the service holds the node's).
-            with self._node_lock(), self._serialized(uid):
+            # The claim's lock first, then the node's: the order of a prepare and an unprepare.
+            with self._serialized(uid), self._node_lock():
                 self._sync()
                 if self.prepared().get(uid) != rec:
                     continue  # unprepared meanwhile, here or by another instance

@@ -83,7 +83,7 @@ class Driver:
         )
         state_dir = args.state_dir or os.path.join(args.kubelet_dir, "plugins", self.driver)
         boot_id = read_boot_id(args.procfs_root)
-        # One node-wide lock: every instance's prepares and unprepares, and what the claims collect.
+        # One node-wide lock (every instance's): held by the claims around what they decide on files.
         self.node_lock = SerializeLock(self.paths.lock)
         self.claims = Claims(
             client,
@@ -98,7 +98,7 @@ class Driver:
         )
         self.stats = RequestStats()
         self.service = KubeletService(
-            self.driver, self.paths, self.claims, self.feed, self._registered, stats=self.stats, lock=self.node_lock
+            self.driver, self.paths, self.claims, self.feed, self._registered, stats=self.stats, serialize=False
         )
         self.metrics: Any = None  # .metrics.Metrics while serving them (--metrics-address)
         self.stop_event = threading.Event()
@@ -315,6 +315,7 @@ class Driver:
                 LOG.info("signal received, stopping", extra={"signal": self.stop_signal})
             self._hand_over()
             self.service.stop()
+            self.node_lock.close()
             self.publisher.stop()
             self.instances.stop()
             self._stop_metrics()

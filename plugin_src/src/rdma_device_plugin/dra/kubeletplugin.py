@@ -10,8 +10,11 @@ k8s.io/dynamic-resource-allocation ``kubeletplugin`` does with its ``RollingUpda
 - each socket bound in a private directory (mode 0700, a name starting with ``.``, which the
   kubelet's plugin watcher ignores), given mode 0600 there and only then renamed into place: its
   mode never depends on the process umask and nobody connects to it before;
-- one prepare or unprepare at a time across the instances of the node (``serialize.lock``, an
-  ``flock`` in the plugin dir, as upstream's), so two instances never work on one claim at once;
+- one holder at a time across the instances of the node of ``serialize.lock`` (an ``flock`` in the
+  plugin dir, as upstream's). Upstream's helper holds it for a whole prepare or unprepare by default
+  (``Serialize(true)``); the claims hold it only where a call decides on files (the records, the
+  conflict check, the writes: :mod:`.claims`), so one call's API reads never queue another's, as a
+  driver that locks itself may (``Serialize(false)``). Both agree on the files in a rolling update;
 - which instance publishes the node's ResourceSlices: the newest live one (the instance locks of
   :mod:`..sockets`, ordered by start on the node's monotonic clock), so an old and a new version do
   not rewrite each other's slices while they overlap.

@@ -236,7 +236,7 @@ class KubeletService:
         on_registered: Any = None,
         resend: float = 20.0,
         stats: RequestStats | None = None,
-        lock: SerializeLock | None = None,
+        serialize: bool = True,
     ) -> None:
         self.driver = driver
         self.paths = paths
@@ -252,7 +252,10 @@ class KubeletService:
             if on_registered is not None:
                 on_registered(ok)
 
-        self.lock = lock or SerializeLock(paths.lock)
+        # serialize: every prepare and unprepare holds the node's lock for the whole call (upstream's
+        # default, kubeletplugin.Serialize(true)); False for a backend that locks what it decides itself
+        # (the claims: a call's API reads then run beside other calls, issue 38's prepare p99).
+        self.lock = SerializeLock(paths.lock) if serialize else None
         self._dra = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dra"))
         v1_grpc.add_DRAPluginServicer_to_server(_PrepareV1(backend, v1, True, stats, self.lock), self._dra)
         v1beta1_grpc.add_DRAPluginServicer_to_server(
@@ -277,4 +280,5 @@ class KubeletService:
         self._reg.stop(None).wait()
         self._dra.stop(2).wait()
         remove_own(self.paths.endpoint, self._ids.get(self.paths.endpoint))
-        self.lock.close()
+        if self.lock is not None:
+            self.lock.close()
