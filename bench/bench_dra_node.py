@@ -32,6 +32,7 @@ rest window; one real node per machine: do not run it beside make test-node.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -43,7 +44,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -102,11 +103,18 @@ def ms(values: list[float]) -> str:
 # ------------------------------------------------------------------ the node's processes
 
 
+def boot_time() -> float:
+    """The wall-clock time of the boot, to the microsecond: /proc/stat's ``btime`` is cut to whole
+    seconds (up to 1 s early; it made every start figure of this bench 0.7 s long here)."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 def process_start(pid: int) -> float:
-    """The wall-clock time a process started (its starttime in /proc, 1/CLK_TCK resolution)."""
-    btime = next(int(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines() if x.startswith("btime"))
+    """The wall-clock time a process started: its starttime in /proc (clock ticks of CLOCK_BOOTTIME
+    since the boot, 1/CLK_TCK resolution). For a container's process that is runc create's fork of
+    its init, which execs the entrypoint at runc start: an upper bound for the figures from it."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def driver_pids() -> list[int]:
@@ -289,7 +297,8 @@ def split_calls(lines: list[tuple[float, str, str]]) -> tuple[list[float], list[
 
 
 class Bench:
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, sets: Sequence[str] = ()) -> None:
+        self.sets = list(sets)
         (work / "audit.yaml").write_text(AUDIT_POLICY)
         self.cluster = Cluster(work / "cl", audit_policy=work / "audit.yaml")
         self.node = RealNode(self.cluster, NODE, LABELS, kubelet_flags=["--vmodule=dra_plugin=4"])
@@ -305,7 +314,7 @@ class Bench:
     def helm(self, *sets: str) -> None:
         argv = [str(self.node.bin / "helm"), "--kubeconfig", str(self.cluster.kubeconfig), "upgrade", "--install"]
         argv += [RELEASE, str(CHART), "-n", "kube-system", "-f", str(self.node.values_file)]
-        for s in ("driver=dra", "minReadySeconds=0", *sets):
+        for s in ("driver=dra", "minReadySeconds=0", "logFormat=json", *self.sets, *sets):  # json: the phases
             argv += ["--set", s]
         subprocess.run([*argv, "--wait", "--timeout", "300s"], check=True, capture_output=True, text=True)
 
@@ -354,9 +363,29 @@ class Bench:
         conds = {c["type"]: c["status"] for c in (pod or {}).get("status", {}).get("conditions", [])}
         return conds.get("Ready") == "True"
 
-    def arrivals(self, n: int) -> list[tuple[float, float]]:
+    def driver_log(self) -> list[tuple[float, dict[str, Any]]]:
+        """The driver pod's JSON log records with their time (the driver stamps milliseconds, UTC)."""
+        pod = self.driver_pod()
+        assert pod is not None
+        out = []
+        for line in self.kubectl("logs", "-n", "kube-system", pod["metadata"]["name"]).splitlines():
+            with contextlib.suppress(ValueError, KeyError):
+                rec = json.loads(line)
+                stamp = datetime.strptime(rec["ts"], "%Y-%m-%dT%H:%M:%S.%fZ")
+                out.append((stamp.replace(tzinfo=UTC).timestamp(), dict(rec)))
+        return out
+
+    def phases(self, t0: float) -> tuple[float, float]:
+        """From the process start: the driver's first log line ("starting the DRA driver": the interpreter,
+        the imports, the config and the driver built) and its own "first ResourceSlices in the API"."""
+        lines = self.driver_log()
+        first = next(t for t, rec in lines if rec["msg"] == "starting the DRA driver")
+        written = next(t for t, rec in lines if rec["msg"] == "first ResourceSlices in the API")
+        return first - t0, written - t0
+
+    def arrivals(self, n: int) -> list[tuple[float, float, float, float]]:
         """The driver arriving on a node without its slices: process start -> (both slices written, the
-        kubelet connected to it)."""
+        kubelet connected to it, the driver's first log line, its own "first slices" line)."""
         assert self.watch is not None and self.api is not None
         out = []
         for _ in range(n):
@@ -371,8 +400,9 @@ class Bench:
             pid = self.new_driver_pid(set())
             t0 = process_start(pid)
             written = self.watch.wait("slices written", complete) - t0
-            out.append((written, self.registered(pod_uid(pid), mark) - t0))
+            connected = self.registered(pod_uid(pid), mark) - t0
             ds.wait_for("the driver Ready", self.ready, timeout=120, every=0.1)
+            out.append((written, connected, *self.phases(t0)))
         return out
 
     def replacements(self, n: int) -> list[tuple[float, float]]:
@@ -419,7 +449,9 @@ class Bench:
             if any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
         )
 
-    def prepares(self, pods: int, batch: int) -> tuple[list[float], list[float]]:
+    def prepares(self, pods: int, batch: int) -> tuple[list[float], list[float], list[float]]:
+        """The kubelet's prepare and unprepare calls (its log), and the driver's part of each prepare
+        (the "seconds" of its "claim prepared" line), in seconds."""
         template = {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaimTemplate",
@@ -452,7 +484,12 @@ class Bench:
 
         lines = ds.wait_for("every claim unprepared", all_unprepared, timeout=300, every=1)
         prep, unprep = split_calls(lines)
-        return prep, unprep
+        own = [
+            float(rec["seconds"])
+            for _, rec in self.driver_log()
+            if rec["msg"] == "claim prepared" and str(rec.get("claim", "")).startswith(f"{NS}/")
+        ]
+        return prep, unprep, own
 
     def at_rest(self, seconds: float) -> dict[str, int]:
         return bench_dra.at_rest(self.cluster, seconds, lambda e: e.get("user", {}).get("username") == SA_USER)
@@ -496,9 +533,16 @@ def main() -> int:
     ap.add_argument("--rest-seconds", type=float, default=330.0, help="the window at rest (a watch lasts 300 s)")
     ap.add_argument("--write-results", metavar="FILE")
     ap.add_argument("--keep", action="store_true", help="leave the cluster and node up (in the printed dir)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a chart value (helm --set), e.g. resources.requests.cpu=250m",
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rdra-node-bench-", dir="/tmp"))
-    bench = Bench(work)
+    bench = Bench(work, args.set)
     load0 = os.getloadavg()
     try:
         print("[1/6] control plane, real node, the chart with driver=dra", flush=True)
@@ -510,7 +554,7 @@ def main() -> int:
         print(f"[4/6] kubelet restarts x{args.starts}", flush=True)
         restarts = bench.kubelet_restarts(args.starts)
         print(f"[5/6] {args.pods} claim pods prepared and unprepared by the kubelet", flush=True)
-        prep, unprep = bench.prepares(args.pods, args.batch)
+        prep, unprep, own = bench.prepares(args.pods, args.batch)
         pid = driver_pids()[0]
         rss, hwm, threads = status_kb(pid, "VmRSS"), status_kb(pid, "VmHWM"), status_kb(pid, "Threads")
         anon, files = status_kb(pid, "RssAnon"), status_kb(pid, "RssFile")
@@ -523,14 +567,18 @@ def main() -> int:
             bench.down()
             shutil.rmtree(work, ignore_errors=True)
     load1 = os.getloadavg()
-    (arr_w, arr_c), (rep_c, rep_r) = (list(zip(*arrivals, strict=True)), list(zip(*replaced, strict=True)))
+    (arr_w, arr_c, arr_log, arr_own), (rep_c, rep_r) = (
+        list(zip(*arrivals, strict=True)),
+        list(zip(*replaced, strict=True)),
+    )
     lines = [
         "## DRA driver on the real node (bench/bench_dra_node.py)",
         "",
         (
             f"Command: `.venv/bin/python bench/bench_dra_node.py --pods {args.pods} --batch {args.batch} "
-            f"--starts {args.starts} "
-            f"--rest-seconds {args.rest_seconds:.0f}`; load average {load0[0]:.2f} at start, {load1[0]:.2f} at the "
+            f"--starts {args.starts} --rest-seconds {args.rest_seconds:.0f}"
+            + "".join(f" --set {v}" for v in args.set)
+            + f"`; load average {load0[0]:.2f} at start, {load1[0]:.2f} at the "
             "end (2 cores). Kubernetes v1.37.2: the control plane and a real node (kubelet, containerd, runc of "
             "scripts/real_node.py) with the fixture Lingjun node (4 bonded NICs); the chart with `driver=dra`, "
             "the driver in its pod with its ServiceAccount token."
@@ -541,6 +589,8 @@ def main() -> int:
         "| start | figure | " + " | ".join(str(i + 1) for i in range(args.starts)) + " |",
         "|---|---|" + "---|" * args.starts,
         row("the driver arrives (node label set, no slices)", "process start -> both slices in the API", arr_w),
+        row("the driver arrives", "process start -> its first log line (interpreter, imports, config, built)", arr_log),
+        row("the driver arrives", "process start -> its own 'first ResourceSlices' line", arr_own),
         row("the driver arrives", "process start -> the kubelet connected to it", arr_c),
         row("the driver's pod replaced (slices stay)", "process start -> the kubelet connected to it", rep_c),
         row("the driver's pod replaced", "process start -> pod Ready (readiness probe every 5 s)", rep_r),
@@ -557,6 +607,7 @@ def main() -> int:
         "| call | calls | p50 | p99 | max |",
         "|---|---|---|---|---|",
         f"| NodePrepareResources | {ms(prep)} |",
+        f"| the driver's part of it (its log: the claim's read, the pod's, the spec and record written) | {ms(own)} |",
         f"| NodeUnprepareResources | {ms(unprep)} |",
         "",
         "### Memory",

@@ -5,7 +5,10 @@ them on the real node (tests/node)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,3 +89,19 @@ def test_the_wipe_and_the_rewrite_are_read_from_the_events_as_they_came() -> Non
     assert watch.first(100.0, lambda cur: bench.complete(cur, before)) == 100.46
     assert not bench.complete(dict(old), before)  # the old generation is not "anew"
     assert bench.complete(dict(old))
+
+
+def test_a_process_start_is_read_to_the_clock_tick() -> None:
+    """The start of a process spawned now lies between the moments before and after the spawn, to one
+    clock tick (starttime counts whole ticks). /proc/stat's btime, which the bench used first, is cut
+    to whole seconds: it put every start up to 1 s early (0.70 s on the machine that found it)."""
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    before = time.time()
+    proc = subprocess.Popen(["sleep", "5"])
+    after = time.time()
+    try:
+        start = bench.process_start(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert before - tick - 0.002 <= start <= after + 0.002, (before, start, after)
