@@ -147,6 +147,12 @@ def status_kb(pid: int, key: str) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (/proc/<pid>/stat utime and stime, in clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # ------------------------------------------------------------------ the node's slices, watched
 
 
@@ -554,8 +560,10 @@ def main() -> int:
         print(f"[4/6] kubelet restarts x{args.starts}", flush=True)
         restarts = bench.kubelet_restarts(args.starts)
         print(f"[5/6] {args.pods} claim pods prepared and unprepared by the kubelet", flush=True)
-        prep, unprep, own = bench.prepares(args.pods, args.batch)
         pid = driver_pids()[0]
+        cpu0 = cpu_seconds(pid)
+        prep, unprep, own = bench.prepares(args.pods, args.batch)
+        cpu = cpu_seconds(pid) - cpu0
         rss, hwm, threads = status_kb(pid, "VmRSS"), status_kb(pid, "VmHWM"), status_kb(pid, "Threads")
         anon, files = status_kb(pid, "RssAnon"), status_kb(pid, "RssFile")
         print(f"[6/6] at rest for {args.rest_seconds:.0f} s", flush=True)
@@ -609,6 +617,13 @@ def main() -> int:
         f"| NodePrepareResources | {ms(prep)} |",
         f"| the driver's part of it (its log: the claim's read, the pod's, the spec and record written) | {ms(own)} |",
         f"| NodeUnprepareResources | {ms(unprep)} |",
+        "",
+        (
+            f"The driver's CPU time over those {len(prep)} pods: {cpu:.2f} s, "
+            f"{cpu / max(1, len(prep)) * 1000:.1f} ms a pod (its prepare and unprepare, and its loops "
+            "meanwhile). The calls of one batch share one Python interpreter (the GIL) and the node's "
+            "2 cores with the kubelet, containerd and runc starting those pods."
+        ),
         "",
         "### Memory",
         "",
