@@ -263,15 +263,15 @@ class Claims:
         with self._serialized(uid):
             return self._prepare(namespace, uid, name)
 
-    def _cached(self, uid: str, digest: str) -> list[PreparedDevice] | None:
+    def _cached(self, uid: str, digest: str, say: bool = True) -> list[PreparedDevice] | None:
         """The answer already prepared for this allocation of the claim, here or by another instance
-        (call under the node lock: the records as the disk has them)."""
+        (call under the node lock: the records as the disk has them); ``say``: log a changed allocation."""
         self._sync()
         with self._lock:
             rec = self._prepared.get(uid)
         if rec is not None and rec.get("allocation") == digest and os.path.exists(rec["cdi"]):
             return [PreparedDevice(**d) for d in rec["devices"]]
-        if rec is not None and rec.get("allocation", digest) != digest:
+        if say and rec is not None and rec.get("allocation", digest) != digest:
             LOG.warning("claim's allocation changed since it was prepared: prepared anew", extra={"uid": uid})
         return None
 
@@ -324,7 +324,7 @@ class Claims:
             "boot": self.boot_id,
         }
         with self._node_lock():
-            cached = self._cached(uid, digest)  # prepared meanwhile by another instance (a rolling update)
+            cached = self._cached(uid, digest, say=False)  # prepared meanwhile by another instance (a rollout)
             if cached is not None:
                 return cached
             self._collect_in_the_way(uid, held)
