@@ -1,6 +1,7 @@
 """The DRA driver imports only what it needs (memory, issue 38: bench/RESULTS.md): none of the device
-plugin's serving modules (its pools, its gRPC server, its published views) and, without
---metrics-address, no metrics at all. A size on this machine would be noise; the imports are not."""
+plugin's serving modules (its pools, its gRPC server, its published views), no pydantic (its config
+is validated in a child process: config_view) and, without --metrics-address, no metrics at all. A
+size on this machine would be noise; the imports are not."""
 
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ def _modules(extra: str) -> set[str]:
 
 
 def test_the_driver_loads_no_device_plugin_server_and_no_metrics() -> None:
-    mods = _modules("from rdma_device_plugin.dra import driver")
+    # with its config read as the driver reads it: validated in a child process (config_view)
+    mods = _modules("from rdma_device_plugin.dra import driver; driver.ConfigCheck(None).result()")
     assert {"rdma_device_plugin.dra.publisher", "rdma_device_plugin.dra.stats", "grpc"} <= mods  # the right names
     assert not DEVICE_PLUGIN & mods
     unwanted = {"rdma_device_plugin.dra.metrics", "rdma_device_plugin.metricsauth", "pyverbs", "rdma_node.fixtures"}
     assert not unwanted & mods
     assert not {m for m in mods if m.split(".")[0] in ("prometheus_client", "rdma_kubesim", "kubernetes")}
+    assert not {m for m in mods if m.split(".")[0] in ("pydantic", "pydantic_core")}
+    assert "rdma_device_plugin.config" not in mods and "rdma_device_plugin.config_view" in mods
 
 
 def test_the_drivers_metrics_load_prometheus_but_not_the_device_plugins_metrics() -> None:

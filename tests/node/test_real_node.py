@@ -415,6 +415,13 @@ def test_the_dra_driver_runs_as_a_pod_and_pods_get_nics_through_cdi(
             timeout=120,
         )
         assert slices, "the driver published no ResourceSlice for the node"
+        # Its config was validated by a child process that has exited (config_view): the driver's own
+        # process never loaded pydantic (its memory budget, docs/dra.md).
+        procs = _pod_processes(driver[0]["metadata"]["uid"])
+        assert procs, "no process of the driver's pod found under /proc"
+        for pid, argv in procs.items():
+            assert "rdma_device_plugin.config_view" not in argv, (pid, argv)
+            assert "pydantic_core" not in Path(f"/proc/{pid}/maps").read_text(), (pid, argv)
         # The device plugin's resource is gone from the node: DRA serves rdma/hca now.
         pods.create(rdma_pod("dra-ext", image))
         pods.wait_phase(NS, "dra-ext", ("Succeeded", "Failed"), timeout=240)
@@ -434,6 +441,18 @@ def test_the_dra_driver_runs_as_a_pod_and_pods_get_nics_through_cdi(
     finally:
         helm(kube, real_node)
         wait_allocatable(kube, "rdma/hca", "1k", timeout=180)
+
+
+def _pod_processes(pod_uid: str) -> dict[int, str]:
+    """The processes of a pod on this node (the kubelet's cgroup path holds pod<uid>), by pid: argv."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and f"pod{pod_uid}" in (d / "cgroup").read_text().replace("_", "-"):
+                out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return out
 
 
 def _driver_pods(kube: Kube) -> list[dict[str, Any]]:

@@ -265,13 +265,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["serve", *argv]
     args = parser.parse_args(argv)
+    config_check = None
+    if args.command == "dra":
+        from .config_view import ConfigCheck
+
+        config_check = ConfigCheck(args.config)  # validated beside the driver's imports (gRPC, OpenSSL)
     if args.command == "healthcheck":  # cheap: the liveness probe runs it every few seconds
         return _healthcheck(args)
     if args.command == "serve":
         leave_out_openssl(metrics=bool(args.metrics_address))
-    from .config import ConfigError, config_json_schema
+    from .config_base import ConfigError  # the DRA driver never loads the schema (pydantic): config_view
 
     if args.command == "config-schema":
+        from .config import config_json_schema
+
         print(json.dumps(config_json_schema(), indent=2))
         return 0
     if args.command == "status":
@@ -291,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "dra":
             from .dra.driver import run
 
-            return run(args)
+            return run(args, config_check)
         from .supervisor import serve
 
         return serve(args)

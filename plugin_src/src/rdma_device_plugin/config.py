@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -18,6 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from rdma_node.selectors import MELLANOX_VENDOR, Selectors
 
 from . import sockets
+from .config_base import (  # noqa: F401  (re-exported: readers of the schema import them from here)
+    AF_INET,
+    AF_INET6,
+    LOCAL_SUFFIX,
+    NUMA_SUFFIX,
+    ConfigError,
+    local_resource_name,
+    numa_resource_name,
+)
 from .kubeletapi import MAX_MESSAGE_BYTES
 
 CONFIG_VERSION = "v1"
@@ -52,15 +60,6 @@ FOREIGN_CDI_VENDORS = (
 )
 
 
-class ConfigError(ValueError):
-    """The config cannot be used; the message says which key and how to fix it."""
-
-    @classmethod
-    def listing(cls, what: str, problems: Sequence[str]) -> ConfigError:
-        """``invalid config <what>:`` and one indented line per problem."""
-        return cls(f"invalid config {what}:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
 def resource_name_problem(name: str) -> str | None:
     """Why the kubelet would reject ``name`` as an extended resource name, or None."""
     if name.count("/") != 1:
@@ -77,17 +76,7 @@ def resource_name_problem(name: str) -> str | None:
     return None
 
 
-NUMA_SUFFIX = "-numa"  # rdma/hca -> rdma/hca-numa0, rdma/hca-numa1, ... (numaPools)
-LOCAL_SUFFIX = "-local"  # rdma/hca -> rdma/hca-local (numaPools)
 _WORST_NUMA = 1023  # the kernel's MAX_NUMNODES is at most 1 << 10: the longest name numaPools can make
-
-
-def numa_resource_name(name: str, numa_node: int) -> str:
-    return f"{name}{NUMA_SUFFIX}{numa_node}"
-
-
-def local_resource_name(name: str) -> str:
-    return f"{name}{LOCAL_SUFFIX}"
 
 
 def _varint_len(n: int) -> int:
@@ -165,14 +154,7 @@ class SelectorsConfig(_Strict):
         return [v.lower().removeprefix("0x") for v in values]
 
     def to_selectors(self) -> Selectors:
-        return Selectors(
-            vendors=tuple(self.vendors),
-            device_ids=tuple(self.device_ids),
-            drivers=tuple(self.drivers),
-            if_names=tuple(self.if_names),
-            rdma_devices=tuple(self.rdma_devices),
-            link_types=tuple(self.link_types),
-        )
+        return Selectors.of(self)
 
 
 class ResourceConfig(_Strict):
@@ -313,9 +295,6 @@ class CdiConfig(_Strict):
                 " plugin's and its devices resolved to RDMA NICs; use a domain of your own, e.g. rdma.lingjun.io/hca"
             )
         return value
-
-
-AF_INET, AF_INET6 = "AF_INET", "AF_INET6"
 
 
 class WorkloadEnvConfig(_Strict):

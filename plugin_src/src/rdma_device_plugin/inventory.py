@@ -26,17 +26,20 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from rdma_node import sysfs
 from rdma_node.selectors import Selectors
 from rdma_node.sysfs import Nic
 
 from . import affinity, logs, nccl_env, netchecks
-from .config import PluginConfig
 from .health import NicHealth
 from .nccl_env import NicFacts
 from .supervision import Backoff, LogOnce
 from .verbs import VerbsProbe
+
+if TYPE_CHECKING:
+    from .config import PluginConfig  # a model or its config_view (the DRA driver): attribute reads only
 
 LOG = logging.getLogger(__name__)
 RDMA_CM_PATH = "/dev/infiniband/rdma_cm"
@@ -344,7 +347,7 @@ class NodeInventory:
         self.config = config
         self.reader = NodeReader(sysfs_root, dev_root, config.rediscovery_interval_seconds, verbs)
         self.rules = ContainerRules.from_config(config)
-        self.selectors = [(r.name, r.selectors.to_selectors()) for r in config.resources]
+        self.selectors = [(r.name, Selectors.of(r.selectors)) for r in config.resources]
         grace = config.health.vanish_grace_seconds
         self.resources = {r.name: NicStates(r.name, grace, self.rules.env_settings) for r in config.resources}
         self.affinity = affinity.NodeAffinity({}, (), {})  # GPUs per served NIC, read at every re-list

@@ -29,11 +29,15 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rdma_node import gids
 from rdma_node.sysfs import Nic, Port
 
-from .config import AF_INET, AF_INET6, PluginConfig
+from .config_base import AF_INET, AF_INET6
+
+if TYPE_CHECKING:
+    from .config import PluginConfig  # a model or its config_view (the DRA driver): attribute reads only
 
 NCCL_IB_HCA = "NCCL_IB_HCA"
 NCCL_IB_GID_INDEX = "NCCL_IB_GID_INDEX"

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from rdma_node.sysfs import Nic
 
-from .config import PluginConfig, ResourceConfig, local_resource_name, numa_resource_name
+from .config import PluginConfig, ResourceConfig
+from .config_base import local_resource_name, numa_resource_name
 from .kubeletapi import MAX_MESSAGE_BYTES
 
 WHOLE, NUMA, LOCAL = "whole", "numa", "local"

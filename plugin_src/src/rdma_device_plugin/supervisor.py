@@ -32,7 +32,8 @@ from types import FrameType, MappingProxyType
 from rdma_node import sysfs
 
 from . import cdi, events, logs, netchecks, nfd, numa_pools, sockets
-from .config import ConfigError, PluginConfig, load_config, socket_path_problems
+from .config import PluginConfig, load_config, socket_path_problems
+from .config_base import ConfigError
 from .discovery import Discovery
 from .kubeletapi import CHECKPOINT, KUBELET_SOCKET
 from .published import NodeView, RegistrationView

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .sysfs import Nic
 
@@ -24,6 +25,18 @@ class Selectors:
     if_names: tuple[str, ...] = ()
     rdma_devices: tuple[str, ...] = ()
     link_types: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, fields: Any) -> Selectors:
+        """From the config's validated selectors (a model, or its plain view in the DRA driver)."""
+        return cls(
+            vendors=tuple(fields.vendors),
+            device_ids=tuple(fields.device_ids),
+            drivers=tuple(fields.drivers),
+            if_names=tuple(fields.if_names),
+            rdma_devices=tuple(fields.rdma_devices),
+            link_types=tuple(fields.link_types),
+        )
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Sequence[str]]) -> Selectors:

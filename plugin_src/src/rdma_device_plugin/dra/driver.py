@@ -27,9 +27,9 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..config import PluginConfig, load_config
+from ..config_view import ConfigCheck
 from ..inventory import NodeInventory
 from ..supervision import remove_health, write_health
 from . import kubeapi, model, version
@@ -39,6 +39,9 @@ from .kubeletplugin import Instances, Paths, SerializeLock, instance_uid
 from .publisher import Publisher
 from .service import DeviceHealth, HealthFeed, KubeletService
 from .stats import RequestStats
+
+if TYPE_CHECKING:
+    from ..config import PluginConfig  # a model or its config_view (the DRA driver): attribute reads only
 
 LOG = logging.getLogger("rdma_device_plugin.dra")
 RELIST_CHECK_SECONDS = 1.0
@@ -326,11 +329,12 @@ class Driver:
         return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, config_check: ConfigCheck | None = None) -> int:
     if not args.node_name:
         LOG.error("no node name: give --node-name or set NODE_NAME (the chart sets it from spec.nodeName)")
         return 2
-    config = load_config(args.config)
+    # validated in a child process (cli starts it first): no pydantic in this one (memory: docs/dra.md)
+    config = (config_check or ConfigCheck(args.config)).result()
     try:
         client = kubeapi.connect(args.kubeconfig)
     except kubeapi.ConfigError as exc:

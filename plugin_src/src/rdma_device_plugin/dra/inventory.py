@@ -10,14 +10,17 @@ from the inventory's affinity (the same :mod:`..affinity` the device plugin repo
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from rdma_node import pcie
 from rdma_node.sysfs import Nic
 
 from .. import nccl_env
-from ..config import PluginConfig
 from ..inventory import NodeInventory, nic_identity
 from .model import NicView, ResourceView
+
+if TYPE_CHECKING:
+    from ..config import PluginConfig  # a model or its config_view (the DRA driver): attribute reads only
 
 
 class Inventory:

@@ -42,7 +42,7 @@ from typing import Any
 
 from rdma_node.sysfs import Nic
 
-from ..config import numa_resource_name
+from ..config_base import numa_resource_name
 from ..health import NicHealth
 
 STANDARD = "resource.kubernetes.io"
