@@ -466,9 +466,9 @@ class Bench:
             if any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
         )
 
-    def prepares(self, pods: int, batch: int) -> tuple[list[float], list[float], list[float]]:
-        """The kubelet's prepare and unprepare calls (its log), and the driver's part of each prepare
-        (the "seconds" of its "claim prepared" line), in seconds."""
+    def prepares(self, pods: int, batch: int) -> tuple[list[float], list[float], list[float], list[float]]:
+        """The kubelet's prepare and unprepare calls (its log), the driver's part of each prepare (the
+        "seconds" of its "claim prepared" line) and the CPU its thread spent in it, in seconds."""
         template = {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaimTemplate",
@@ -501,12 +501,14 @@ class Bench:
 
         lines = ds.wait_for("every claim unprepared", all_unprepared, timeout=300, every=1)
         prep, unprep = split_calls(lines)
-        own = [
-            float(rec["seconds"])
+        records = [
+            rec
             for _, rec in self.driver_log()
             if rec["msg"] == "claim prepared" and str(rec.get("claim", "")).startswith(f"{NS}/")
         ]
-        return prep, unprep, own
+        own = [float(rec["seconds"]) for rec in records]
+        own_cpu = [float(rec["cpu_seconds"]) for rec in records if "cpu_seconds" in rec]
+        return prep, unprep, own, own_cpu
 
     def at_rest(self, seconds: float) -> dict[str, int]:
         return bench_dra.at_rest(self.cluster, seconds, lambda e: e.get("user", {}).get("username") == SA_USER)
@@ -573,7 +575,7 @@ def main() -> int:
         print(f"[5/6] {args.pods} claim pods prepared and unprepared by the kubelet", flush=True)
         pid = driver_pids()[0]
         cpu0 = cpu_seconds(pid)
-        prep, unprep, own = bench.prepares(args.pods, args.batch)
+        prep, unprep, own, own_cpu = bench.prepares(args.pods, args.batch)
         cpu = cpu_seconds(pid) - cpu0
         rss, hwm, threads = status_kb(pid, "VmRSS"), status_kb(pid, "VmHWM"), status_kb(pid, "Threads")
         anon, files = status_kb(pid, "RssAnon"), status_kb(pid, "RssFile")
@@ -627,6 +629,7 @@ def main() -> int:
         "|---|---|---|---|---|",
         f"| NodePrepareResources | {ms(prep)} |",
         f"| the driver's part of it (its log: the claim's read, the pod's, the spec and record written) | {ms(own)} |",
+        f"| the CPU time of the driver's thread in that part (its log; the rest is waiting) | {ms(own_cpu)} |",
         f"| NodeUnprepareResources | {ms(unprep)} |",
         "",
         (
