@@ -276,7 +276,7 @@ class Claims:
         return None
 
     def _prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
-        t0, cpu0 = time.monotonic(), time.thread_time()
+        t0, cpu0, api0 = time.monotonic(), time.thread_time(), self.client.waited()
         where = f"claim {namespace}/{name}"
         try:
             claim = self.client.get(kubeapi.claim_path(namespace, name))
@@ -344,6 +344,7 @@ class Claims:
                 "cdi": path,
                 "seconds": round(time.monotonic() - t0, 4),  # the driver's part of the kubelet's call
                 "cpu_seconds": round(time.thread_time() - cpu0, 4),  # its own CPU in it (the rest is waiting)
+                "api_seconds": round(self.client.waited() - api0, 4),  # in its reads of the claim and the pod
             },
         )
         return devices

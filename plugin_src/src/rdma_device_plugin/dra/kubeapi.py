@@ -19,6 +19,7 @@ import socket
 import ssl
 import tempfile
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -167,6 +168,18 @@ class Client:
     ) -> Obj:
         url = self.prefix + path + ("?" + urllib.parse.urlencode(query) if query else "")
         data = json.dumps(body).encode() if body is not None else None
+        t0 = time.monotonic()
+        try:
+            return self._request(method, url, data, content_type)
+        finally:
+            self._local.waited = self.waited() + time.monotonic() - t0
+
+    def waited(self) -> float:
+        """Seconds this thread has spent in requests, from sending to the decoded answer: the API
+        server's time, the network's, and this process's own (TLS, JSON, the GIL) meanwhile."""
+        return float(getattr(self._local, "waited", 0.0))
+
+    def _request(self, method: str, url: str, data: bytes | None, content_type: str) -> Obj:
         for attempt in (1, 2):  # a kept-alive connection the server closed: retry once on a new one
             conn = getattr(self._local, "conn", None)
             if conn is None:
