@@ -43,7 +43,6 @@ LOG = logging.getLogger(__name__)
 DRA_PLUGIN_TYPE = "DRAPlugin"  # pluginregistration/v1 constants.go
 SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth")  # <proto package>.<service>
 HEALTH_TIMEOUT_SECONDS = 60
-DRA_WORKERS = 16  # gRPC worker threads of the DRA service (prepare, unprepare, the health stream)
 
 
 class Backend(Protocol):
@@ -257,10 +256,7 @@ class KubeletService:
         # default, kubeletplugin.Serialize(true)); False for a backend that locks what it decides itself
         # (the claims: a call's API reads then run beside other calls, issue 38's prepare p99).
         self.lock = SerializeLock(paths.lock) if serialize else None
-        # Workers: the kubelet's health stream holds one for as long as it is open (two across a kubelet
-        # restart), and each pod worker of the kubelet calls prepare on its own, so a burst of pods
-        # arrives at once; with 8, the 8th-10th prepare of ten pods waited for a whole earlier one.
-        self._dra = grpc.server(futures.ThreadPoolExecutor(max_workers=DRA_WORKERS, thread_name_prefix="dra"))
+        self._dra = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dra"))
         v1_grpc.add_DRAPluginServicer_to_server(_PrepareV1(backend, v1, True, stats, self.lock), self._dra)
         v1beta1_grpc.add_DRAPluginServicer_to_server(
             _PrepareV1beta1(backend, v1beta1, False, stats, self.lock), self._dra
