@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rdma_device_plugin.config import ConfigError, load_config, load_config_text, resource_name_problem
+from rdma_node.selectors import Selectors
 
 
 def test_defaults_serve_rdma_hca_1000_over_mellanox() -> None:
@@ -33,7 +34,7 @@ env: {NCCL_DEBUG: INFO}
     )
     assert cfg.mode == "exclusive"
     assert cfg.resources[0].selectors.vendors == ["15b3"]
-    assert cfg.resources[0].selectors.to_selectors().if_names == ("bond0", "bond1")
+    assert Selectors.of(cfg.resources[0].selectors).if_names == ("bond0", "bond1")
     assert cfg.resources[1].shared_devices == 1000
     assert cfg.char_devices.umad and not cfg.char_devices.issm
     assert cfg.env == {"NCCL_DEBUG": "INFO"}

@@ -161,6 +161,7 @@ def _healthcheck(args: argparse.Namespace) -> int:
 
 def _discover(args: argparse.Namespace) -> int:
     from rdma_node import sysfs
+    from rdma_node.selectors import Selectors
 
     from .config import load_config
 
@@ -168,7 +169,7 @@ def _discover(args: argparse.Namespace) -> int:
     nics = sysfs.read_nics(args.sysfs_root, args.dev_root)
     owner: dict[str, str] = {}
     for res in config.resources:
-        for nic in res.selectors.to_selectors().select(nics):
+        for nic in Selectors.of(res.selectors).select(nics):
             owner.setdefault(nic.name, res.name)
     if args.output == "json":
         out = [dict(nic.to_dict(), resource=owner.get(nic.name)) for nic in nics]

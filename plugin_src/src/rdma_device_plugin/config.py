@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from rdma_node.selectors import MELLANOX_VENDOR, Selectors
+from rdma_node.selectors import MELLANOX_VENDOR
 
 from . import sockets
 from .config_base import (  # noqa: F401  (re-exported: readers of the schema import them from here)
@@ -152,9 +152,6 @@ class SelectorsConfig(_Strict):
             if not _HEX_ID.fullmatch(v):
                 raise ValueError(f"{v!r} is not a 4-digit hex PCI ID (write it like 15b3 or 0x15b3)")
         return [v.lower().removeprefix("0x") for v in values]
-
-    def to_selectors(self) -> Selectors:
-        return Selectors.of(self)
 
 
 class ResourceConfig(_Strict):

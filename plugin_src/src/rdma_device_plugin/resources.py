@@ -219,7 +219,7 @@ class ResourcePool:
         self.name = resource.name
         self.mode = config.mode
         self.policy = config.health.policy
-        self.selectors: Selectors = resource.selectors.to_selectors()
+        self.selectors: Selectors = Selectors.of(resource.selectors)
         pools = max(pool_count, len(config.resources))  # numaPools: every pool its own kind
         ids = self.spec.devices() if self.mode == "shared" else ()
         self.rules = Rules(
