@@ -600,9 +600,9 @@ def main() -> int:
             f"--starts {args.starts} --rest-seconds {args.rest_seconds:.0f}"
             + "".join(f" --set {v}" for v in args.set)
             + f"`; load average {load0[0]:.2f} at start, {load1[0]:.2f} at the "
-            "end (2 cores). Kubernetes v1.37.2: the control plane and a real node (kubelet, containerd, runc of "
-            "scripts/real_node.py) with the fixture Lingjun node (4 bonded NICs); the chart with `driver=dra`, "
-            "the driver in its pod with its ServiceAccount token."
+            f"end ({os.cpu_count()} cores). Kubernetes v1.37.2: the control plane and a real node (kubelet, "
+            "containerd, runc of scripts/real_node.py) with the fixture Lingjun node (4 bonded NICs); the chart "
+            "with `driver=dra`, the driver in its pod with its ServiceAccount token."
         ),
         "",
         "### Start -> ResourceSlices in the API server (s)",
@@ -638,8 +638,8 @@ def main() -> int:
         (
             f"The driver's CPU time over those {len(prep)} pods: {cpu:.2f} s, "
             f"{cpu / max(1, len(prep)) * 1000:.1f} ms a pod (its prepare and unprepare, and its loops "
-            "meanwhile). The calls of one batch share one Python interpreter (the GIL) and the node's "
-            "2 cores with the kubelet, containerd and runc starting those pods."
+            "meanwhile). The calls of one batch share one Python interpreter (the GIL), and the node's "
+            f"{os.cpu_count()} cores with the control plane, the kubelet, containerd and runc starting those pods."
         ),
         "",
         "### Memory",
